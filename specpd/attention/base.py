@@ -1,0 +1,48 @@
+"""Attention backend interface and registry.
+
+A backend is planned once per batch (`plan`) and then called once per layer (`forward`). `forward`
+writes the new tokens' K/V into the pool, then attends over the paged KV. Heavy backends are imported
+lazily so that `--attention-backend torch` never imports triton or flashinfer.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from specpd.attention.metadata import AttentionMetadata
+from specpd.kv.pool import KVPool
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def __init__(self, kv_pool: KVPool, num_q_heads: int, head_dim: int, sm_scale: float | None = None):
+        self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
+        self.head_dim = head_dim
+        self.sm_scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Prepare per-batch state (index tensors, kernel workspaces). Returns meta with `plan` set."""
+        return meta
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> out [T, Hq, D]."""
+
+
+_BACKENDS = {
+    "torch": "specpd.attention.torch_backend:TorchAttentionBackend",
+    "triton": "specpd.attention.triton_backend:TritonAttentionBackend",
+    "flashinfer": "specpd.attention.flashinfer_backend:FlashInferAttentionBackend",
+}
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)

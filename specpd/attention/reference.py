@@ -1,0 +1,42 @@
+"""Pure-torch paged attention: the reference every kernel is tested against (and the CPU path).
+
+Shapes: q [num_tokens, num_q_heads, head_dim]; k_cache / v_cache [num_pages, page_size, kv_heads,
+head_dim] (may be strided views of the page-major pool); qo_indptr [batch+1]; kv_lens [batch];
+page_table [batch, max_pages]. Query j of sequence b is at position kv_len - q_len + j and sees KV
+positions <= its own (causal with a prefix offset). GQA: q head h reads kv head h // (Hq // Hkv).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[num_pages, page_size, H, D] + page ids -> [kv_len, H, D] in position order."""
+    page_size = cache.shape[1]
+    n = (kv_len + page_size - 1) // page_size
+    return cache[pages[:n].long()].reshape(-1, *cache.shape[2:])[:kv_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
+                        sm_scale: float) -> torch.Tensor:
+    """Straightforward fp32 math, one sequence at a time. Returns [num_tokens, Hq, D] in q's dtype."""
+    out = torch.empty_like(q)
+    num_q_heads = q.shape[1]
+    group = num_q_heads // k_cache.shape[2]
+    indptr = qo_indptr.tolist()
+    for b, kv_len in enumerate(kv_lens.tolist()):
+        start, end = indptr[b], indptr[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, page_table[b], kv_len).float().repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, page_table[b], kv_len).float().repeat_interleave(group, dim=1)
+        qb = q[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, q_len, kv_len]
+        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+        k_pos = torch.arange(kv_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both run `make install` first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.specpd-installed
+PORT   ?= 8000
+MODEL  ?= default
+
+export OPENBLAS_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m specpd.model.default
+	touch $@
+
+serve: install
+	$(BIN)/specpd serve --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python evals/bench_offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,190 @@
+"""The engine: `step()` is schedule -> run -> postprocess.
+
+Lifecycle of a request inside the engine:
+  1. `add_request` validates it against the model (context length, vocabulary, KV capacity) and
+     queues it in the scheduler.
+  2. `step` schedules a batch (decodes + prefill chunks under the token budget), the model runner
+     runs one forward and samples for every sequence that reached its end.
+  3. `_postprocess` appends tokens with stop checks (EOS / stop token ids / stop strings /
+     max_tokens / context length), detokenizes incrementally and frees finished requests' pages.
+  4. `abort_request` finishes a request at the next step with reason "abort".
+"""
+from __future__ import annotations
+
+import time
+
+from specpd.config import EngineConfig, ModelConfig
+from specpd.core import InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
+from specpd.engine.detokenizer import IncrementalDetokenizer
+from specpd.engine.scheduler import Scheduler
+from specpd.kv.allocator import pages_needed
+from specpd.model.loader import load_checkpoint
+from specpd.model.runner import ModelRunner
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, checkpoint=None):
+        self.config = config
+        checkpoint = checkpoint or load_checkpoint(config.model)
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        self.model_name = config.model  # served name, like vLLM: the --model argument as given
+        self.tokenizer = checkpoint.tokenizer
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        pool = self.runner.kv_pool
+        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[str] = []
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    # -- public API ------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return self.runner.kv_pool.allocator.num_free
+
+    @property
+    def total_pages(self) -> int:
+        return self.runner.kv_pool.num_pages
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "free_pages": self.free_pages, "total_pages": self.total_pages,
+                "page_size": self.runner.kv_pool.page_size, **self.counters}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequest("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the context length {self.max_model_len}")
+        page_size = self.runner.kv_pool.page_size
+        if pages_needed(n + params.max_tokens, page_size) > self.total_pages:
+            raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds "
+                                 f"the KV cache capacity ({self.total_pages * page_size} tokens)")
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidRequest("request_id", f"duplicate request id {request_id!r}")
+        req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                                         params.skip_special_tokens) if self.tokenizer else None
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += n
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._process_aborts()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        result = self.runner.execute(batch, self._suppressed_ids(batch))
+        self.scheduler.advance(batch)
+        return outputs + self._postprocess(batch, result)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Offline helper: run the prompts to completion, outputs in input order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # -- internals -------------------------------------------------------------------------
+    def _suppressed_ids(self, batch) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for it in batch.items:
+            p = it.request.params
+            if it.samples and len(it.request.output_token_ids) < p.min_tokens:
+                out[it.request.request_id] = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+        return out
+
+    def _process_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._aborted:
+            req = self.scheduler.find(rid)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+                outputs.append(self._finish_output(req, [], None))
+        self._aborted.clear()
+        return outputs
+
+    def _postprocess(self, batch, result) -> list[RequestOutput]:
+        outputs = []
+        by_id = {it.request.request_id: it.request for it in batch.items}
+        for rid, token, logprob in zip(result.request_ids, result.token_ids, result.logprobs):
+            req = by_id[rid]
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            new_ids, new_lps = self._append(req, [token], [logprob])
+            if req.finished:
+                outputs.append(self._finish_output(req, new_ids, new_lps))
+            else:
+                outputs.append(self._output(req, new_ids, new_lps, final=False))
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]):
+        """Append tokens one at a time, stopping at the first stop condition. Returns what was appended."""
+        p = req.params
+        detok = self._detok.get(req.request_id)
+        appended: list[int] = []
+        lps: list[TokenLogprob] = []
+        for token, lp in zip(tokens, logprobs):
+            req.output_token_ids.append(token)
+            appended.append(token)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+                lps.append(lp)
+            n_out = len(req.output_token_ids)
+            can_stop = n_out >= p.min_tokens
+            reason = stop_reason = None
+            if can_stop and token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif can_stop and not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            if detok is not None:
+                # EOS / stop ids are kept in token_ids but never rendered as text
+                hit = detok.add([token], check_stop=can_stop) if reason is None else None
+                if hit is not None:
+                    reason, stop_reason = "stop", hit
+            if reason is None and (n_out >= p.max_tokens or req.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                req.stop_reason = stop_reason
+                self.scheduler.finish(req, reason)
+                break
+        self.counters["generation_tokens"] += len(appended)
+        return appended, (lps if p.logprobs is not None else None)
+
+    def _output(self, req: Request, new_ids, new_lps, final: bool) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        new_text = detok.take(final) if detok else ""
+        text = detok.text if detok else ""
+        return RequestOutput(req.request_id, new_ids, new_text, list(req.output_token_ids), text,
+                             final, req.finish_reason if final else None, req.num_prompt_tokens,
+                             new_lps, req.stop_reason)
+
+    def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
+        out = self._output(req, new_ids, new_lps, final=True)
+        self._detok.pop(req.request_id, None)
+        self.runner.release(req.request_id)
+        self.counters["requests_finished"] += 1
+        return out

@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style), Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Tokens of every sequence in a batch are flattened along dim 0; attention over the paged KV pool is
+delegated to an AttentionBackend with per-batch AttentionMetadata passed explicitly.
+q/k/v and gate/up projections are fused into one matmul each (fewer ops per layer on CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpd.attention.base import AttentionBackend
+from specpd.attention.metadata import AttentionMetadata
+from specpd.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # same op order as HF (normalise in fp32, cast back, then scale) so outputs match bit-for-bit
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE variant."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling_dict
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class Rotary(nn.Module):
+    """Neox-style (rotate-half) RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq, attn_scale = rope_inv_freq(cfg)
+        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_pos, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)  # [max_pos, D]
+        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the batch's positions; computed once per forward, used by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q [T, Hq, D], k [T, Hkv, D], cos/sin [T, 1, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, *rope)
+        out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, backend, meta):
+        h = x + self.self_attn(self.input_layernorm(x), rope, backend, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` applies the head."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions [T] -> (normed hidden [T, H], captured hidden inputs of the
+        requested layers [T, H] each, e.g. for EAGLE-3's fused aux hidden states)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured.append(x)
+            x = layer(x, rope, backend, meta)
+        return self.norm(x), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()  # [rows, vocab]
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""
+        cfg = self.config
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor, rows: slice | None = None):
+            target = params[name]
+            dst = target if rows is None else target[rows]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+
+        q, kv = cfg.q_size, cfg.kv_size
+        fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
+                 "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+                 "gate_proj": ("gate_up_proj", slice(0, cfg.intermediate_size)),
+                 "up_proj": ("gate_up_proj", slice(cfg.intermediate_size, 2 * cfg.intermediate_size))}
+        for name, tensor in weights.items():
+            if "rotary_emb" in name:
+                continue
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = key.split(".")
+            if len(parts) >= 4 and parts[-2] in fused:
+                target, rows = fused[parts[-2]]
+                put(".".join(parts[:-2] + [target, parts[-1]]), tensor, rows)
+            elif key in params:
+                put(key, tensor)
+            else:
+                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+        # a fused param is complete only when all its pieces were loaded; check coverage by name
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,109 @@
+"""Model runner: owns the model, the KV pool, the attention backend and every tensor.
+
+It turns a ScheduledBatch (plain Python) into input tensors and attention metadata, runs one
+forward, and samples one token for each item that reached the end of its sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpd.attention.base import get_backend_class
+from specpd.attention.metadata import AttentionMetadata
+from specpd.config import EngineConfig, ModelConfig
+from specpd.core import TokenLogprob
+from specpd.engine.scheduler import ScheduledBatch
+from specpd.kv.pool import DTYPES, KVPool
+from specpd.model.llama import CausalLM, Rotary
+from specpd.model.loader import Checkpoint
+from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, process_logits,
+                                  sample)
+
+
+@dataclass
+class StepResult:
+    request_ids: list[str]  # requests that sampled this step, in batch order
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):
+            model = CausalLM(self.model_config, max_model_len)
+        model = model.to_empty(device=self.device)
+        model.load_weights(checkpoint.weights)
+        model = model.to(dtype=self.dtype).eval()
+        # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
+        model.rotary = Rotary(self.model_config, max_model_len).to(self.device)
+        self.model = model
+        cache = config.cache
+        self.kv_pool = KVPool.for_model(self.model_config, cache.page_size, self.dtype, self.device,
+                                        memory_mb=cache.kv_cache_memory_mb, num_pages=cache.num_pages)
+        mc = self.model_config
+        self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
+        self.shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- per-request state -----------------------------------------------------------------
+    def generator_for(self, request) -> torch.Generator | None:
+        seed = request.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    # -- one step --------------------------------------------------------------------------
+    def build_inputs(self, batch: ScheduledBatch):
+        ids: list[int] = []
+        positions: list[int] = []
+        for it in batch.items:
+            all_ids = it.request.all_token_ids
+            ids.extend(all_ids[it.start:it.start + it.num_tokens])
+            positions.extend(range(it.start, it.start + it.num_tokens))
+        meta = AttentionMetadata.build(
+            q_lens=[it.num_tokens for it in batch.items],
+            kv_lens=[it.start + it.num_tokens for it in batch.items],
+            page_lists=[it.request.pages for it in batch.items],
+            page_size=self.kv_pool.page_size, device=self.device)
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> StepResult:
+        input_ids, positions, meta = self.build_inputs(batch)
+        self.backend.plan(meta)
+        hidden, _ = self.model(input_ids, positions, self.backend, meta)
+        rows_idx: list[int] = []
+        rows: list[SamplingRow] = []
+        offset = 0
+        for it in batch.items:
+            offset += it.num_tokens
+            if it.samples:
+                req = it.request
+                rows_idx.append(offset - 1)
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
+                                        self.generator_for(req), suppress.get(req.request_id, ())))
+        if not rows:
+            return StepResult([], [], [])
+        logits = self.model.compute_logits(hidden[rows_idx])  # [num_rows, vocab] fp32
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw = logits.clone() if want_logprobs else logits
+        if greedy_fast_path(rows):
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = sample(process_logits(logits, rows), rows, self.shared_generator)
+        logprobs = compute_logprobs(raw, tokens, rows) if want_logprobs else [None] * len(rows)
+        ids = [it.request.request_id for it in batch.items if it.samples]
+        return StepResult(ids, tokens, logprobs)

@@ -1,0 +1,210 @@
+"""The bridge between the asyncio HTTP server and the (not thread-safe) LLMEngine.
+
+One dedicated thread owns the engine. A request passes through:
+  1. `submit` (event loop): registers a RequestStream, puts an "add" command in the inbox and
+     awaits admission; `add_request`'s InvalidRequest comes back here and becomes an HTTP 400.
+  2. The engine thread drains the inbox (add / abort), then `step()`s while work exists and
+     blocks on the inbox when idle.
+  3. Each step's outputs go back to the loop in one `call_soon_threadsafe`; `_dispatch` routes
+     them to their streams' asyncio queues and records metrics.
+  4. The final output (finish_reason stop / length / abort) closes the stream. A handler that
+     leaves early (client gone) calls `abort`; the engine frees the pages at its next step.
+torch releases the GIL during kernels, so the loop stays responsive while the engine runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from specpd.core import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an exception in step(); the server can no longer generate."""
+
+
+@dataclass
+class RequestStream:
+    """The loop-side end of one request: its outputs, in order, and its timings."""
+
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished: bool = False
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    admitted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics  # ServerMetrics or None
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._live: set[str] = set()  # engine thread only: admitted, not yet finished
+        self._stats: dict[str, Any] = engine.stats()  # replaced (never mutated) by the engine thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (loop thread) -----------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specpd-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats() as of its last step (read without touching the engine)."""
+        return self._stats
+
+    # -- requests (loop thread) ------------------------------------------------------------
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> RequestStream:
+        """Queue a request; returns once the engine admitted it. Raises InvalidRequest if it didn't."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        stream = RequestStream(request_id, len(prompt_token_ids))
+        self._streams[request_id] = stream
+        admitted = self._loop.create_future()
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:  # client left while the engine was busy: undo the add
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request early. Its final output (finish_reason "abort") still arrives and is counted."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self._inbox.put(_Abort(request_id))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.first_token_time is None and out.new_token_ids:
+                stream.first_token_time = now
+                if self.metrics:
+                    self.metrics.observe_first_token(now - stream.arrival)
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                if self.metrics:
+                    self.metrics.observe_finished(stream, out, now)
+            stream.queue.put_nowait(out)
+
+    def _reject(self, cmd: _Add, error: Exception) -> None:
+        self._streams.pop(cmd.request_id, None)
+        _resolve(cmd.admitted, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                if not self._drain_inbox(block=not busy):
+                    return
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._stats = self.engine.stats()
+                    if outputs:
+                        for out in outputs:
+                            if out.finished:
+                                self._live.discard(out.request_id)
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # noqa: BLE001 - the server must report, not hang
+            logger.exception("engine thread died")
+            self.error = exc
+            dead = EngineDeadError(f"the engine failed: {exc!r}")
+            self._loop.call_soon_threadsafe(self._fail_all, dead)
+            while True:  # answer anything still queued so no handler waits forever
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if isinstance(cmd, _Add):
+                    self._loop.call_soon_threadsafe(_resolve, cmd.admitted, dead)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        try:
+            cmd = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                except Exception as exc:  # noqa: BLE001 - InvalidRequest -> 400, anything else -> 500
+                    self._loop.call_soon_threadsafe(self._reject, cmd, exc)
+                else:
+                    self._live.add(cmd.request_id)
+                    self._loop.call_soon_threadsafe(_resolve, cmd.admitted, None)
+            elif cmd.request_id in self._live:
+                self.engine.abort_request(cmd.request_id)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                self._stats = self.engine.stats()
+                return True
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,218 @@
+"""The `specpd` command (also `python -m specpd`).
+
+  specpd serve    --model default --port 8000 [engine flags]   OpenAI-compatible HTTP server
+  specpd generate --model default --prompt TEXT [--chat] [--json] [engine flags]
+                                                                one request, in-process, then exit
+
+Engine flags are generated from the fields of EngineConfig and its nested configs
+(`cache.page_size` -> `--page-size`), so a new config field is a new flag with no edit here.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+import time
+import types
+import typing
+from typing import Any
+
+from specpd.config import EngineConfig
+
+logger = logging.getLogger("specpd")
+
+ROLES = ("unified",)  # prefill / decode / router come with disaggregation
+_CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
+            "attention_backend": ("torch", "triton", "flashinfer"),
+            "device": ("cpu", "cuda")}
+_HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
+         "seed": "engine seed (generate: also the request's sampling seed)",
+         "max_model_len": "context length (default: the model's)",
+         "num_pages": "KV pages to allocate (overrides --kv-cache-memory-mb)",
+         "chunked_prefill_size": "largest prefill chunk one request may take in a step"}
+
+
+# -- engine flags from the config dataclasses ------------------------------------------------
+def _flag_type(hint: Any) -> type | None:
+    """int | None -> int; anything but a scalar (tuples, nested configs) -> None (no flag)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else None
+    return hint if hint in (int, float, str, bool) else None
+
+
+def _config_flags(cls: type, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dataclasses.Field, type]]:
+    """(path to the field, the field, its flag type) for every scalar field, nested configs flattened."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += _config_flags(hint, path + (f.name,))
+        elif (flag_type := _flag_type(hint)) is not None:
+            out.append((path + (f.name,), f, flag_type))
+    return out
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    defaults = EngineConfig()
+    for path, f, flag_type in _config_flags(EngineConfig):
+        default = defaults
+        for name in path:
+            default = getattr(default, name)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        if flag_type is bool:
+            group.add_argument(flag, dest="engine." + ".".join(path), action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest="engine." + ".".join(path), type=flag_type, default=None,
+                               choices=_CHOICES.get(f.name), metavar=None if f.name in _CHOICES else f.name.upper(),
+                               help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig with every flag the user gave; the dataclass defaults for the rest."""
+    given: dict[tuple[str, ...], Any] = {tuple(k.split(".")[1:]): v for k, v in vars(args).items()
+                                         if k.startswith("engine.") and v is not None}
+    return _build(EngineConfig, (), given)
+
+
+def _build(cls: type, path: tuple[str, ...], given: dict[tuple[str, ...], Any]):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = path + (f.name,)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], key, given)
+        elif key in given:
+            kwargs[f.name] = given[key]
+    return cls(**kwargs)
+
+
+# -- serve -----------------------------------------------------------------------------------
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specpd.engine.llm_engine import LLMEngine
+    from specpd.server.api_server import create_app
+
+    config = config_from_args(args)
+    logger.info("loading %s", config.model)
+    engine = LLMEngine(config)
+    app = create_app(engine, role=args.role)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    asyncio.run(_serve(server, args.host, args.port, engine.model_name))
+    return 0
+
+
+async def _serve(server, host: str, port: int, model_name: str) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        print(ready_message(host, port, model_name), flush=True)
+    await task
+
+
+def ready_message(host: str, port: int, model_name: str) -> str:
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return (f"specpd ready: serving {model_name} on http://{client_host}:{port}\n"
+            f"curl http://{client_host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}")
+
+
+# -- generate --------------------------------------------------------------------------------
+def generate(args: argparse.Namespace) -> int:
+    from specpd.core import InvalidRequest, SamplingParams
+    from specpd.engine.llm_engine import LLMEngine
+
+    config = config_from_args(args)
+    t_load = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - t_load
+    tokenizer = engine.tokenizer
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text)
+    try:
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=getattr(args, "engine.seed"),
+                                ignore_eos=args.ignore_eos).validate()
+        start = time.perf_counter()
+        engine.add_request("generate-0", prompt_ids, params)
+    except InvalidRequest as err:
+        print(f"specpd generate: invalid request: {err}", file=sys.stderr)
+        return 2
+    first_token_at = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first_token_at is None and out.new_token_ids:
+                first_token_at = time.perf_counter()
+            if out.finished:
+                final = out
+    end = time.perf_counter()
+    if not args.json:
+        print(final.text)
+        return 0
+    n = final.num_output_tokens
+    ttft = (first_token_at or end) - start
+    # Decode rate: tokens after the first over the time after the first (TTFT covers the prefill).
+    tokens_per_s = (n - 1) / (end - first_token_at) if n > 1 and end > first_token_at else n / (end - start)
+    print(json.dumps({
+        "model": engine.model_name, "text": final.text, "token_ids": final.token_ids,
+        "finish_reason": final.finish_reason, "prompt_tokens": len(prompt_ids), "completion_tokens": n,
+        "ttft_s": ttft, "e2e_s": end - start, "tokens_per_s": tokens_per_s, "load_s": load_s,
+        "stats": engine.stats(),
+    }, default=str))
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpd", description="specpd LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    p.add_argument("--role", choices=ROLES, default="unified", help="what this process serves (default: unified)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_args(p)
+    p.set_defaults(func=serve)
+
+    g = sub.add_parser("generate", help="generate for one prompt in-process and exit")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default: 1.0)")
+    g.add_argument("--top-k", type=int, default=-1, help="(default: -1, off)")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, ttft_s, tokens_per_s = decode rate, ...)")
+    g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    add_engine_args(g)
+    g.set_defaults(func=generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

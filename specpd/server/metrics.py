@@ -1,0 +1,73 @@
+"""Prometheus metrics for one server, named `specpd:*` like vLLM's `vllm:*`.
+
+Counters and histograms are updated by the event loop as outputs arrive (see AsyncEngine._dispatch);
+gauges read the engine's last stats snapshot at scrape time, so scraping never touches the engine.
+Each server owns its registry, so several apps can live in one process (tests).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from specpd.core import RequestOutput
+
+disable_created_metrics()  # no `*_created` series next to every counter and histogram
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+        self.requests_finished = Counter(
+            "specpd:requests_finished", "Finished requests by finish reason (stop, length, abort).",
+            ["model_name", "finish_reason"], registry=r)
+        self.requests_rejected = Counter(
+            "specpd:requests_rejected", "Requests refused with HTTP 400, by offending field.",
+            ["model_name", "param"], registry=r)
+        self.prompt_tokens = Counter(
+            "specpd:prompt_tokens", "Prompt tokens of admitted requests.", ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter(
+            "specpd:generation_tokens", "Generated tokens.", ["model_name"], registry=r).labels(**labels)
+        self.ttft = Histogram(
+            "specpd:time_to_first_token_seconds", "Time from arrival to the first output token.",
+            ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram(
+            "specpd:time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram(
+            "specpd:e2e_request_latency_seconds", "Time from arrival to the final output.",
+            ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(**labels)
+        for name, key, doc in (
+                ("specpd:num_requests_running", "num_running", "Requests in the running batch."),
+                ("specpd:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+                ("specpd:kv_pages_free", "free_pages", "Free KV cache pages."),
+                ("specpd:kv_pages_total", "total_pages", "Total KV cache pages.")):
+            gauge = Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
+            gauge.set_function(lambda key=key: float(stats().get(key, 0)))
+        self._model_name = model_name
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_finished(self, stream, out: RequestOutput, now: float) -> None:
+        """`stream` is the RequestStream (arrival / first_token_time) of the request that just finished."""
+        self.requests_finished.labels(self._model_name, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.generation_tokens.inc(out.num_output_tokens)
+        self.e2e.observe(now - stream.arrival)
+        if stream.first_token_time is not None and out.num_output_tokens > 1:
+            self.tpot.observe((now - stream.first_token_time) / (out.num_output_tokens - 1))
+
+    def observe_rejected(self, param: str | None) -> None:
+        field = (param or "none").split(".")[0].split("[")[0]  # messages[3].content -> messages
+        self.requests_rejected.labels(self._model_name, field).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,155 @@
+"""OpenAI-shaped response bodies and stream chunks, built from the engine's RequestOutputs.
+
+One formatter per endpoint, per request:
+  - `response(outputs)`: the non-streaming body (choices[0].text | message, logprobs,
+    finish_reason, usage) from every output of the request.
+  - `chunks(out)`: the stream chunks for one output delta. Chat opens with a {"role"} delta and
+    ends with an empty delta carrying finish_reason; completions put finish_reason on the last text.
+  - `usage_chunk(out)`: with stream_options.include_usage, a last chunk with empty choices.
+`sse()` frames a chunk as `data: {...}\\n\\n`; the stream ends with `SSE_DONE`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Callable
+
+from specpd.core import RequestOutput, TokenLogprob
+
+SSE_DONE = "data: [DONE]\n\n"
+_NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, param: str | None, code: int,
+               err_type: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else _NEG_INF_LOGPROB
+
+
+class _Formatter:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, decode_token: Callable[[int], str],
+                 top_logprobs: int | None, include_usage: bool = False):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.decode_token = decode_token
+        self.top_logprobs = top_logprobs  # None: logprobs not requested
+        self.include_usage = include_usage
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, [choice])
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage(out)}
+
+    def _logprobs_of(self, outputs: list[RequestOutput]) -> list[TokenLogprob]:
+        return [lp for o in outputs for lp in (o.new_logprobs or [])]
+
+
+class CompletionFormatter(_Formatter):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0  # characters of token text already reported (logprobs.text_offset)
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in lps:
+            token = self.decode_token(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(_logprob(lp.logprob))
+            entries = {self.decode_token(t): _logprob(v) for t, v in lp.top[:self.top_logprobs]}
+            entries.setdefault(token, _logprob(lp.logprob))
+            top.append(entries)
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _choice(self, text: str, lps: list[TokenLogprob], out: RequestOutput) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(lps),
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        last = outputs[-1]
+        body = self._envelope(self.object_name, [self._choice(last.text, self._logprobs_of(outputs), last)])
+        body["usage"] = usage(last)
+        return body
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        lps = out.new_logprobs or []
+        if not (out.new_text or out.finished or (lps and self.top_logprobs is not None)):
+            return []
+        return [self._chunk(self._choice(out.new_text, lps, out))]
+
+
+class ChatFormatter(_Formatter):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sent_role = False
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.decode_token(token_id)
+        return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top[:self.top_logprobs]]}
+                            for lp in lps]}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        last = outputs[-1]
+        choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
+                  "logprobs": self._logprobs(self._logprobs_of(outputs)),
+                  "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+        return {**self._envelope(self.object_name, [choice]), "usage": usage(last)}
+
+    def _delta_chunk(self, delta: dict[str, Any], logprobs: Any = None,
+                     finish_reason: str | None = None, stop_reason: Any = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return self._chunk(choice)
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        if not self._sent_role:
+            self._sent_role = True
+            chunks.append(self._delta_chunk({"role": "assistant", "content": ""}))
+        lps = out.new_logprobs or []
+        if out.new_text or (lps and self.top_logprobs is not None):
+            chunks.append(self._delta_chunk({"content": out.new_text}, self._logprobs(lps)))
+        if out.finished:
+            chunks.append(self._delta_chunk({}, finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        return chunks

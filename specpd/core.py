@@ -114,6 +114,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     first_token_time: float | None = None
+    spec_verify_count: int = 0  # verify forwards this request took part in
+    spec_accepted_tokens: int = 0  # accepted draft tokens (bonus excluded)
+    spec_committed_tokens: int = 0  # tokens committed by verify forwards (bonus included, stops applied)
+    spec_state: object = None  # the proposer's per-request draft state (owned by the runner)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property
@@ -148,7 +152,40 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    spec_verify_count: int = 0
+    spec_accepted_tokens: int = 0
+    spec_committed_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens committed per verify forward, bonus included (tau)."""
+        return self.spec_committed_tokens / self.spec_verify_count if self.spec_verify_count else None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    start: int  # first position processed this step (== request.num_computed_tokens)
+    num_tokens: int  # tokens (KV slots) processed this step
+    spec_decode: bool = False  # a draft -> verify round: num_tokens slots hold the root + draft nodes
+
+    @property
+    def samples(self) -> bool:
+        return self.spec_decode or self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)

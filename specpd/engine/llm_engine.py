@@ -17,6 +17,7 @@ from specpd.config import EngineConfig, ModelConfig
 from specpd.core import InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.scheduler import Scheduler
+from specpd.engine.spec_stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
@@ -41,6 +42,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[str] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.spec_stats = SpecStats(config.spec.spec_num_steps)
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -54,7 +56,8 @@ class LLMEngine:
     def stats(self) -> dict:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "free_pages": self.free_pages, "total_pages": self.total_pages,
-                "page_size": self.runner.kv_pool.page_size, **self.counters}
+                "page_size": self.runner.kv_pool.page_size, **self.counters,
+                **(self.spec_stats.as_dict() if self.config.spec.enabled else {})}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         params.validate()
@@ -92,7 +95,6 @@ class LLMEngine:
         if not batch:
             return outputs
         result = self.runner.execute(batch, self._suppressed_ids(batch))
-        self.scheduler.advance(batch)
         return outputs + self._postprocess(batch, result)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -129,12 +131,18 @@ class LLMEngine:
 
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         outputs = []
-        by_id = {it.request.request_id: it.request for it in batch.items}
-        for rid, token, logprob in zip(result.request_ids, result.token_ids, result.logprobs):
-            req = by_id[rid]
+        for item, sampled in zip(batch.items, result):
+            req = item.request
+            self.scheduler.commit(item, sampled.committed_slots)
+            if sampled.num_accepted is not None:
+                self._record_verify(req, sampled.num_accepted)
+            if not sampled.token_ids:
+                continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            new_ids, new_lps = self._append(req, [token], [logprob])
+            new_ids, new_lps = self._append(req, sampled.token_ids, sampled.logprobs)
+            if sampled.num_accepted is not None:
+                req.spec_committed_tokens += len(new_ids)
             if req.finished:
                 outputs.append(self._finish_output(req, new_ids, new_lps))
             else:
@@ -174,13 +182,21 @@ class LLMEngine:
         self.counters["generation_tokens"] += len(appended)
         return appended, (lps if p.logprobs is not None else None)
 
+    def _record_verify(self, req: Request, num_accepted: int) -> None:
+        req.spec_verify_count += 1
+        req.spec_accepted_tokens += num_accepted
+        self.spec_stats.record(num_accepted)
+
+
     def _output(self, req: Request, new_ids, new_lps, final: bool) -> RequestOutput:
         detok = self._detok.get(req.request_id)
         new_text = detok.take(final) if detok else ""
         text = detok.text if detok else ""
         return RequestOutput(req.request_id, new_ids, new_text, list(req.output_token_ids), text,
                              final, req.finish_reason if final else None, req.num_prompt_tokens,
-                             new_lps, req.stop_reason)
+                             new_lps, req.stop_reason, spec_verify_count=req.spec_verify_count,
+                             spec_accepted_tokens=req.spec_accepted_tokens,
+                             spec_committed_tokens=req.spec_committed_tokens)
 
     def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
         out = self._output(req, new_ids, new_lps, final=True)

@@ -5,7 +5,10 @@ A request's life:
   2. `schedule` admits it when the token budget, the running cap and free pages allow; its prompt is
      prefilled in chunks of at most `chunked_prefill_size` tokens, one chunk per step.
   3. Every step processes tokens all_ids[num_computed : num_computed + n]; when that reaches the end of
-     the sequence the step samples one new token (a decode step is simply n == 1).
+     the sequence the step samples one new token (a decode step is simply n == 1). With speculative
+     decoding a decode step instead reserves `decode_width` scratch slots (root + draft nodes) from
+     num_computed; `commit` then advances num_computed past the accepted path and frees whole
+     surplus pages (rollback is a length change).
   4. When pages run out for running requests, the newest running request is preempted: its pages are
      freed and it returns to the front of the waiting queue to be recomputed (outputs kept).
   5. `finish` (stop / length / abort) frees its pages; the pool's free count returns to its start.
@@ -13,40 +16,15 @@ A request's life:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-
 from specpd.config import SchedulerConfig
-from specpd.core import Request, RequestStatus
+from specpd.core import Request, RequestStatus, ScheduledBatch, ScheduledItem
 from specpd.kv.allocator import PageAllocator, pages_needed
 
 
-@dataclass
-class ScheduledItem:
-    request: Request
-    start: int  # first position processed this step (== request.num_computed_tokens)
-    num_tokens: int  # tokens processed this step
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    items: list[ScheduledItem] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, decode_width: int = 1):
         self.config = config
+        self.decode_width = decode_width
         self.allocator = allocator
         self.page_size = page_size
         self.waiting: deque[Request] = deque()
@@ -116,12 +94,14 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below by an older request
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cfg.chunked_prefill_size)
+            spec = self.decode_width > 1 and req.num_computed_tokens == req.num_tokens - 1
+            n = self.decode_width if spec else min(req.num_tokens - req.num_computed_tokens, budget,
+                                                   cfg.chunked_prefill_size)
             while not self._grow(req, req.num_computed_tokens + n):
                 if not self._preempt_newest(batch, keep=req):
                     break
             else:
-                batch.items.append(ScheduledItem(req, req.num_computed_tokens, n))
+                batch.items.append(ScheduledItem(req, req.num_computed_tokens, n, spec_decode=spec))
                 budget -= n
                 continue
             # could not get pages even after preempting everyone else: recompute this one later
@@ -143,7 +123,12 @@ class Scheduler:
             budget -= n
         return batch
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's tokens now have KV in the pool."""
-        for it in batch.items:
-            it.request.num_computed_tokens = it.start + it.num_tokens
+    def commit(self, item: ScheduledItem, num_committed_slots: int) -> None:
+        """Record that positions < start + num_committed_slots now hold valid KV; slots past them are
+        scratch, and pages no longer needed for the next token are released."""
+        req = item.request
+        req.num_computed_tokens = item.start + num_committed_slots
+        keep = pages_needed(req.num_computed_tokens + 1, self.page_size)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]

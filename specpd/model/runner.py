@@ -12,8 +12,8 @@ import torch
 from specpd.attention.base import get_backend_class
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import EngineConfig, ModelConfig
-from specpd.core import TokenLogprob
-from specpd.engine.scheduler import ScheduledBatch
+from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
+from specpd.core import ScheduledBatch
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
@@ -22,10 +22,18 @@ from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_pat
 
 
 @dataclass
-class StepResult:
-    request_ids: list[str]  # requests that sampled this step, in batch order
-    token_ids: list[int]
+class SampledTokens:
+    """What one batch item committed this step."""
+
+    request_id: str
+    token_ids: list[int]  # the sampled token; with speculation: accepted draft tokens + bonus
     logprobs: list[TokenLogprob | None]
+    committed_slots: int  # slots from item.start that now hold valid KV
+    num_accepted: int | None = None  # accepted draft tokens, when this came from a verify forward
+
+
+# items in batch order; an item that did not reach the end of its sequence commits no tokens
+StepResult = list[SampledTokens]
 
 
 class ModelRunner:
@@ -96,7 +104,7 @@ class ModelRunner:
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
                                         self.generator_for(req), suppress.get(req.request_id, ())))
         if not rows:
-            return StepResult([], [], [])
+            return [SampledTokens(it.request.request_id, [], [], it.num_tokens) for it in batch.items]
         logits = self.model.compute_logits(hidden[rows_idx])  # [num_rows, vocab] fp32
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw = logits.clone() if want_logprobs else logits
@@ -105,5 +113,11 @@ class ModelRunner:
         else:
             tokens = sample(process_logits(logits, rows), rows, self.shared_generator)
         logprobs = compute_logprobs(raw, tokens, rows) if want_logprobs else [None] * len(rows)
-        ids = [it.request.request_id for it in batch.items if it.samples]
-        return StepResult(ids, tokens, logprobs)
+        result, k = [], 0
+        for it in batch.items:
+            if it.samples:
+                result.append(SampledTokens(it.request.request_id, [tokens[k]], [logprobs[k]], it.num_tokens))
+                k += 1
+            else:
+                result.append(SampledTokens(it.request.request_id, [], [], it.num_tokens))
+        return result

@@ -11,8 +11,15 @@ import torch
 class AttentionMetadata:
     """Query tokens of all sequences are concatenated ("ragged") along dim 0.
 
-    Query j (0-based) of sequence b sits at absolute position kv_lens[b] - q_lens[b] + j and attends
-    causally to KV positions <= that. The new tokens' K/V are written before attention runs.
+    Query j (0-based) of sequence b sits at KV position kv_lens[b] - q_lens[b] + j. The new tokens'
+    K/V are written (at write_pages/write_offsets) before attention runs. Every query attends to the
+    whole prefix, positions < kv_len - q_len; among the new tokens it attends:
+    - causally (new tokens 0..j), when sequence b carries no tree mask;
+    - to new token i iff tree_b[j, i], when it does (tree verify). tree_b is the [q_len_b, q_len_b]
+      bool block tree_mask[tree_mask_indptr[b]:tree_mask_indptr[b + 1]].view(q_len_b, q_len_b),
+      row-major, row = query, column = new token; for a draft tree it is the ancestor-or-self
+      relation, so the diagonal is always True. A lower-triangular block is exactly causal.
+    A tree's nodes occupy consecutive scratch slots after the committed prefix, in any order.
     """
 
     qo_indptr: torch.Tensor  # [batch + 1] int32, offsets of each sequence's queries
@@ -23,6 +30,10 @@ class AttentionMetadata:
     q_lens_host: list[int]
     kv_lens_host: list[int]
     page_size: int
+    # None when no sequence has a tree. Otherwise the per-sequence blocks flattened row-major and
+    # concatenated in batch order; a sequence without a tree has an empty block (causal).
+    tree_mask: torch.Tensor | None = None  # [sum over tree sequences of q_len_b ** 2] bool
+    tree_mask_indptr: torch.Tensor | None = None  # [batch + 1] int32, offsets of each block in tree_mask
     plan: Any = None  # backend-specific state from AttentionBackend.plan
 
     @property
@@ -43,8 +54,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], kv_lens: list[int], page_lists: list[list[int]],
-              page_size: int, device: str | torch.device = "cpu") -> "AttentionMetadata":
-        """Host-side construction from plain lists (what the scheduler knows)."""
+              page_size: int, device: str | torch.device = "cpu",
+              tree_masks: list[torch.Tensor | None] | None = None) -> "AttentionMetadata":
+        """Host-side construction from plain lists (what the scheduler knows).
+
+        tree_masks: one entry per sequence, None (causal) or a [q_len_b, q_len_b] bool tensor whose
+        [j, i] says whether new token j attends to new token i (see the class docstring).
+        """
         indptr = [0]
         for q in q_lens:
             indptr.append(indptr[-1] + q)
@@ -58,6 +74,7 @@ class AttentionMetadata:
                 write_offsets.append(pos % page_size)
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
+        tree_mask, tree_mask_indptr = _flatten_tree_masks(tree_masks, q_lens, device)
         return cls(
             qo_indptr=torch.tensor(indptr, **i32),
             kv_lens=torch.tensor(kv_lens, **i32),
@@ -67,4 +84,28 @@ class AttentionMetadata:
             q_lens_host=list(q_lens),
             kv_lens_host=list(kv_lens),
             page_size=page_size,
+            tree_mask=tree_mask,
+            tree_mask_indptr=tree_mask_indptr,
         )
+
+
+def _flatten_tree_masks(tree_masks: list[torch.Tensor | None] | None, q_lens: list[int],
+                        device: str | torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-sequence masks -> (tree_mask [total] bool, tree_mask_indptr [batch + 1] int32), or (None, None)."""
+    if tree_masks is None or all(m is None for m in tree_masks):
+        return None, None
+    if len(tree_masks) != len(q_lens):
+        raise ValueError(f"tree_masks has {len(tree_masks)} entries for a batch of {len(q_lens)} sequences")
+    blocks: list[torch.Tensor] = []
+    indptr = [0]
+    for b, (mask, q_len) in enumerate(zip(tree_masks, q_lens)):
+        if mask is not None:
+            if mask.dtype != torch.bool or tuple(mask.shape) != (q_len, q_len):
+                raise ValueError(f"tree_masks[{b}] must be a [{q_len}, {q_len}] bool tensor (q_len of "
+                                 f"sequence {b}); got {mask.dtype} {tuple(mask.shape)}")
+            if not bool(mask.diagonal().all()):
+                raise ValueError(f"tree_masks[{b}] has a False diagonal entry: every tree node attends to itself")
+            blocks.append(mask.reshape(-1).to("cpu"))
+        indptr.append(indptr[-1] + (q_len * q_len if mask is not None else 0))
+    return (torch.cat(blocks).to(device),
+            torch.tensor(indptr, dtype=torch.int32, device=device))

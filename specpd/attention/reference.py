@@ -19,12 +19,14 @@ def gather_kv(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Te
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
-                        sm_scale: float) -> torch.Tensor:
+                        sm_scale: float, tree_mask: torch.Tensor | None = None,
+                        tree_mask_indptr: torch.Tensor | None = None) -> torch.Tensor:
     """Straightforward fp32 math, one sequence at a time. Returns [num_tokens, Hq, D] in q's dtype."""
     out = torch.empty_like(q)
     num_q_heads = q.shape[1]
     group = num_q_heads // k_cache.shape[2]
     indptr = qo_indptr.tolist()
+    tree_indptr = tree_mask_indptr.tolist() if tree_mask is not None else None
     for b, kv_len in enumerate(kv_lens.tolist()):
         start, end = indptr[b], indptr[b + 1]
         q_len = end - start
@@ -34,9 +36,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = gather_kv(v_cache, page_table[b], kv_len).float().repeat_interleave(group, dim=1)
         qb = q[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, q_len, kv_len]
-        q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-        k_pos = torch.arange(kv_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool)  # [q_len, kv_len]; the prefix stays True
+        if tree_indptr is not None and tree_indptr[b + 1] > tree_indptr[b]:
+            tree = tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, q_len)
+        else:
+            tree = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        visible[:, kv_len - q_len:] = tree.cpu()
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -1,7 +1,8 @@
 """Torch attention backend: the CPU serving path. Same math as reference.py, batched with SDPA.
 
 Decode rows (one query each) are attended together over their gathered pages with a length mask;
-each prefill/extend sequence is attended on its own with a causal-with-offset mask.
+each prefill/extend sequence is attended on its own with a causal-with-offset mask, or, for tree
+verify, the prefix plus its tree block (see AttentionMetadata). A one-token tree is plain decode.
 """
 from __future__ import annotations
 
@@ -40,13 +41,18 @@ class TorchAttentionBackend(AttentionBackend):
             kv = meta.kv_lens[idx].long().unsqueeze(1)
             decode_mask = (torch.arange(n_pages * page_size).unsqueeze(0) < kv)[:, None, None, :]
         extends = []
+        tree_indptr = meta.tree_mask_indptr.tolist() if meta.tree_mask is not None else None
         for b, q_len in enumerate(meta.q_lens_host):
             if q_len <= 1:
                 continue
             kv_len = meta.kv_lens_host[b]
             n_pages = (kv_len + page_size - 1) // page_size
             mask = None
-            if kv_len != q_len:
+            if tree_indptr is not None and tree_indptr[b + 1] > tree_indptr[b]:
+                tree = meta.tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, q_len)
+                prefix = torch.ones(q_len, kv_len - q_len, dtype=torch.bool, device=tree.device)
+                mask = torch.cat([prefix, tree], dim=1)  # [q_len, kv_len]
+            elif kv_len != q_len:
                 q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
                 mask = torch.arange(kv_len).unsqueeze(0) <= q_pos
             extends.append((indptr[b], indptr[b + 1], meta.page_table[b, :n_pages].long(), kv_len, mask))

@@ -1,8 +1,9 @@
 """Triton attention backend: paged split-K decode and ragged paged extend over the page-major pool.
 
 All-decode batches (every q_len == 1) take `paged_decode_attention`; anything else, including a mix
-of decode and extend rows, takes `paged_extend_attention`, which handles q_len 1 rows as well. The
-kernels read the strided per-layer views of the pool directly.
+of decode and extend rows, takes `paged_extend_attention`, which handles q_len 1 rows as well. Tree
+verify batches pass the metadata's tree mask to the extend kernel (an all-one-token tree is plain
+decode). The kernels read the strided per-layer views of the pool directly.
 """
 from __future__ import annotations
 
@@ -44,4 +45,5 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode_attention(q, k_cache, v_cache, meta.kv_lens, meta.page_table, self.sm_scale,
                                           max_kv_len=plan.max_kv_len, num_splits=plan.num_splits)
         return paged_extend_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.page_table,
-                                      self.sm_scale, max_q_len=plan.max_q_len)
+                                      self.sm_scale, max_q_len=plan.max_q_len, tree_mask=meta.tree_mask,
+                                      tree_mask_indptr=meta.tree_mask_indptr)

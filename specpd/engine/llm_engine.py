@@ -17,6 +17,7 @@ from specpd.config import EngineConfig, ModelConfig
 from specpd.core import InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.scheduler import Scheduler
+from specpd.engine.spec_runner import build_spec_runner
 from specpd.engine.spec_stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.model.loader import load_checkpoint
@@ -32,9 +33,12 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        spec = config.spec.validate()
         self.runner = ModelRunner(config, checkpoint, self.max_model_len)
         pool = self.runner.kv_pool
-        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size)
+        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled else None
+        self.decode_width = self.spec_runner.decode_width if self.spec_runner else 1
+        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
@@ -67,11 +71,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
-        if n + params.max_tokens > self.max_model_len:
+        if n + params.max_tokens + self.decode_width - 1 > self.max_model_len:
             raise InvalidRequest("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the context length {self.max_model_len}")
         page_size = self.runner.kv_pool.page_size
-        if pages_needed(n + params.max_tokens, page_size) > self.total_pages:
+        if pages_needed(n + params.max_tokens + self.decode_width, page_size) > self.total_pages:
             raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceeds "
                                  f"the KV cache capacity ({self.total_pages * page_size} tokens)")
         if self.scheduler.find(request_id) is not None:
@@ -94,7 +98,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        result = self.runner.execute(batch, self._suppressed_ids(batch))
+        runner = self.spec_runner or self.runner
+        result = runner.execute(batch, self._suppressed_ids(batch))
         return outputs + self._postprocess(batch, result)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -201,6 +206,6 @@ class LLMEngine:
     def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
         out = self._output(req, new_ids, new_lps, final=True)
         self._detok.pop(req.request_id, None)
-        self.runner.release(req.request_id)
+        (self.spec_runner or self.runner).release(req)
         self.counters["requests_finished"] += 1
         return out

@@ -7,6 +7,10 @@ Conventions (same as the reference and `AttentionMetadata`):
   qo_indptr[b]:qo_indptr[b+1]. Query j of sequence b sits at position kv_len - q_len + j and sees
   KV positions <= its own (causal with a prefix offset). The KV of this step's tokens is already in
   the cache when these kernels run.
+- Tree verify (extend only): tree_mask [total] bool holds, for each sequence b with
+  tree_mask_indptr[b+1] > tree_mask_indptr[b], a row-major [q_len, q_len] block; query j then sees
+  the whole prefix and new token i iff block[j, i]. Sequences with an empty block stay causal. Without
+  a mask the kernel is compiled with TREE=False and the causal path is unchanged.
 - k_cache / v_cache [num_pages, page_size, Hkv, D]: the per-layer views of the pool. They are
   strided (page stride = num_layers * 2 * page_size * Hkv * D), so the kernels take all four
   strides and never copy the cache. Position p of sequence b lives in page page_table[b, p // page_size],
@@ -32,6 +36,7 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, QoIndptr, KvLens, PageTable,
+    TreeMask, TreeMaskIndptr,  # read only when TREE
     sm_scale_log2,  # sm_scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -40,7 +45,7 @@ def _extend_kernel(
     stride_pt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Grid (q blocks of the longest sequence, batch, Hq): BLOCK_M queries of one sequence, one head."""
     m_block = tl.program_id(0)
@@ -72,6 +77,12 @@ def _extend_kernel(
 
     # the last real query of this block sees positions < kv_end; nothing past it is read
     kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
+    if TREE:
+        tree_start = tl.load(TreeMaskIndptr + seq)
+        tree_size = tl.load(TreeMaskIndptr + seq + 1) - tree_start  # q_len ** 2, or 0 for a causal sequence
+        has_tree = tree_size > 0
+        # a tree row may see any new token, also ones after its own (nodes need not be topologically ordered)
+        kv_end = tl.where(has_tree, kv_len, kv_end)
     for start_n in range(0, kv_end, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         n_mask = k_pos < kv_end
@@ -83,13 +94,23 @@ def _extend_kernel(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
-        causal = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
+        visible = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, BLOCK_N]
+        if TREE:
+            node = k_pos - prefix  # [BLOCK_N] new-token index of each key, < 0 in the prefix
+            entry = offs_m[:, None] * q_len + node[None, :]  # [BLOCK_M, BLOCK_N] index into the block
+            in_block = m_mask[:, None] & (node[None, :] >= 0) & n_mask[None, :] & (entry < tree_size)
+            tree_bits = tl.load(TreeMask + tree_start + entry, mask=in_block, other=0) != 0
+            visible = tl.where(has_tree, (node[None, :] < 0) | tree_bits, visible)
+        qk = tl.where(visible & n_mask[None, :], qk, float("-inf"))
 
-        # every row sees position 0 in the first block, so m_new is finite from then on
+        # causal: every row sees position 0 in the first block, so m_new is finite from then on
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        m_exp = m_new
+        if TREE:
+            # with no prefix a tree row may see nothing in the first blocks: keep exp2 off -inf - -inf
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_exp)
+        p = tl.exp2(qk - m_exp[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v_ptrs = V + page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh \
@@ -102,6 +123,8 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if TREE:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # padding rows of a prefix-less tree saw nothing; they are not stored
     out = acc / l_i[:, None]
     o_ptrs = Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -226,9 +249,10 @@ def _block_d(head_dim: int) -> int:
 # The launchers and the sm_90 compile test build the kernels' constexprs through these, so the
 # compile test checks exactly the configurations that get launched.
 def extend_constexprs(dtype: torch.dtype, head_dim: int, group: int, page_size: int,
-                      block_m: int = 64, block_n: int = 64) -> dict:
+                      block_m: int = 64, block_n: int = 64, tree: bool = False) -> dict:
     return dict(HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_D=_block_d(head_dim), DOT_FP32=_interpreting(), DOT_PRECISION=_dot_precision(dtype))
+                BLOCK_D=_block_d(head_dim), DOT_FP32=_interpreting(), DOT_PRECISION=_dot_precision(dtype),
+                TREE=tree)
 
 
 def decode_constexprs(dtype: torch.dtype, head_dim: int, group: int, page_size: int, block_n: int = 64) -> dict:
@@ -261,13 +285,23 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            qo_indptr: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
                            sm_scale: float, out: torch.Tensor | None = None, max_q_len: int | None = None,
-                           block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """Ragged causal-with-offset attention. q [T, Hq, D] -> out [T, Hq, D] (q's dtype).
+                           block_m: int = 64, block_n: int = 64, tree_mask: torch.Tensor | None = None,
+                           tree_mask_indptr: torch.Tensor | None = None) -> torch.Tensor:
+    """Ragged causal-with-offset (or tree-masked) attention. q [T, Hq, D] -> out [T, Hq, D] (q's dtype).
 
-    qo_indptr [B+1] int32, kv_lens [B] int32, page_table [B, max_pages] int32. Pass `max_q_len`
+    qo_indptr [B+1] int32, kv_lens [B] int32, page_table [B, max_pages] int32; optional tree_mask
+    [total] bool with tree_mask_indptr [B+1] int32 (see the module docstring). Pass `max_q_len`
     (known on the host) to avoid a device sync.
     """
     group = _check(q, k_cache, v_cache)
+    tree = tree_mask is not None
+    if tree:
+        if tree_mask_indptr is None or tree_mask_indptr.shape[0] != kv_lens.shape[0] + 1:
+            raise ValueError(f"tree_mask needs tree_mask_indptr of shape [{kv_lens.shape[0] + 1}], got "
+                             f"{None if tree_mask_indptr is None else tuple(tree_mask_indptr.shape)}")
+        if tree_mask.dtype != torch.bool:
+            raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype}")
+        tree_mask = tree_mask.contiguous()
     out = torch.empty_like(q) if out is None else out
     batch = kv_lens.shape[0]
     if q.shape[0] == 0 or batch == 0:
@@ -279,9 +313,10 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (triton.cdiv(max_q_len, block_m), batch, q.shape[1])
     _extend_kernel[grid](
         q, k_cache, v_cache, out, qo_indptr, kv_lens, page_table,
+        tree_mask if tree else kv_lens, tree_mask_indptr if tree else qo_indptr,  # unread when not tree
         sm_scale * LOG2E,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), page_table.stride(0),
-        **extend_constexprs(q.dtype, q.shape[2], group, k_cache.shape[1], block_m, block_n),
+        **extend_constexprs(q.dtype, q.shape[2], group, k_cache.shape[1], block_m, block_n, tree),
     )
     return out
 

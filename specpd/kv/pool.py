@@ -15,7 +15,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class KVPool:
     def __init__(self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", allocator: PageAllocator | None = None):
+        """`allocator`: share another pool's page ids (the draft pool mirrors the target's pages)."""
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.page_size = page_size
@@ -25,7 +26,7 @@ class KVPool:
         # [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
         self.buffer = torch.zeros(num_pages, num_layers, 2, page_size, kv_heads, head_dim,
                                   dtype=dtype, device=device)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = allocator or PageAllocator(num_pages)
 
     @staticmethod
     def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -69,8 +69,8 @@ class ModelRunner:
             gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
-    def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def release(self, request) -> None:
+        self._generators.pop(request.request_id, None)
 
     # -- one step --------------------------------------------------------------------------
     def build_inputs(self, batch: ScheduledBatch):

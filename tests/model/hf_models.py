@@ -31,11 +31,11 @@ def tiny_config(arch: str, **overrides):
     return cfg_cls(**kw)
 
 
-def save_tiny_model(arch: str, path, seed: int = 0):
+def save_tiny_model(arch: str, path, seed: int = 0, **overrides):
     """Build a random model, scale its weights so that greedy outputs are not degenerate, save it."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:

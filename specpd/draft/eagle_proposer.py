@@ -1,0 +1,129 @@
+"""EAGLE-family proposer (EAGLE-1, EAGLE-3, MTP): drives a DraftModel over its own paged KV pool.
+
+The draft pool has the target's page ids (same allocator), so one page list covers both.
+Draft slots during drafting are scratch past the committed length; the extend after each verify
+rewrites the committed positions with the target's real hidden states.
+
+Drafting, per round (S = num_steps, K = topk):
+  step 0   expand the root with the top-k kept from the last extend (no forward);
+  step s   run the draft on the frontier nodes (each paired with the draft hidden that predicted
+           it) at draft position start + s - 1, take each node's top-k; a chain (K = 1) writes slot
+           start + s - 1 with plain causal attention, a tree writes frontier f at slot
+           start + (s-1)K + f and sees only its ancestors' scratch slots.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpd.attention.base import get_backend_class
+from specpd.attention.metadata import AttentionMetadata
+from specpd.core import Request
+from specpd.draft.base import DraftModel
+from specpd.draft.proposer import DraftExtend, DraftState, Proposer
+from specpd.kv.pool import KVPool
+from specpd.verify.tree import DraftTree, TreeBuilder
+
+
+class EagleProposer(Proposer):
+    def __init__(self, draft: DraftModel, target_pool: KVPool, attention_backend: str,
+                 num_steps: int, topk: int, num_draft_tokens: int):
+        super().__init__(num_steps, topk, num_draft_tokens)
+        self.draft = draft
+        cfg = draft.config
+        self.device = target_pool.buffer.device
+        self.pool = KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
+                           cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
+        self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.draft.aux_layer_ids
+
+    @property
+    def scratch_slots(self) -> int:
+        """Draft slots past the root a round needs."""
+        return max(1, (self.num_steps - 1) * self.topk)
+
+    def _run(self, token_ids, hidden, positions, q_lens, kv_lens, pages, step, tree_masks=None):
+        meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=pages,
+                                       page_size=self.pool.page_size, device=self.device,
+                                       tree_masks=tree_masks)
+        self.backend.plan(meta)
+        return self.draft(torch.tensor(token_ids, device=self.device), hidden,
+                          torch.tensor(positions, device=self.device), self.backend, meta, step=step)
+
+    def _topk(self, draft_hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.draft.compute_logits(draft_hidden, step=step), dim=-1)
+        vals, ids = probs.topk(self.topk, dim=-1)  # [rows, K]
+        return self.draft.draft_to_target(ids), vals
+
+    def extend(self, extends: list[DraftExtend]) -> None:
+        ids, positions, q_lens, kv_lens, pages = [], [], [], [], []
+        for ex in extends:
+            n = len(ex.token_ids)
+            ids.extend(ex.token_ids)
+            positions.extend(range(ex.start, ex.start + n))
+            q_lens.append(n)
+            kv_lens.append(ex.start + n)
+            pages.append(ex.request.pages)
+        hidden = torch.cat([ex.hidden for ex in extends]).to(self.pool.dtype)
+        out = self._run(ids, hidden, positions, q_lens, kv_lens, pages, step=0)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        top_ids, top_probs = self._topk(out[last], step=0)
+        for i, ex in enumerate(extends):
+            if ex.at_end:
+                ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[last[i]])
+
+    def propose(self, requests: list[Request], starts: list[int]) -> list[DraftTree]:
+        if not requests:
+            return []
+        k = self.topk
+        builders, pred_hidden, slots = [], [], []
+        for req in requests:
+            state: DraftState = req.spec_state
+            b = TreeBuilder(req.all_token_ids[-1], k, self.num_steps, self.num_draft_tokens)
+            new = b.expand(torch.tensor([state.topk_ids]), torch.tensor([state.topk_probs]))
+            builders.append(b)
+            pred_hidden.append({int(n): state.hidden for n in new})  # node -> draft hidden that predicted it
+            slots.append({})  # node -> scratch slot offset from the root's position
+        for s in range(1, self.num_steps):
+            frontiers = [b.frontier().tolist() for b in builders]
+            ids, positions, q_lens, kv_lens, masks, hidden = [], [], [], [], [], []
+            for b, fr, start, ph, slot_of in zip(builders, frontiers, starts, pred_hidden, slots):
+                ids.extend(int(b.tokens[n]) for n in fr)
+                positions.extend([start + s - 1] * len(fr))
+                hidden.extend(ph[n] for n in fr)
+                q_lens.append(len(fr))
+                if k == 1:
+                    kv_lens.append(start + s)
+                else:
+                    for f, node in enumerate(fr):
+                        slot_of[node] = (s - 1) * k + f
+                    kv_lens.append(start + (s - 1) * k + len(fr))
+                    masks.append(self._scratch_mask(b, fr, slot_of, (s - 1) * k + len(fr)))
+            out = self._run(ids, torch.stack(hidden), positions, q_lens, kv_lens,
+                            [r.pages for r in requests], step=s, tree_masks=masks or None)
+            top_ids, top_probs = self._topk(out, step=s)
+            row = 0
+            for b, fr, ph in zip(builders, frontiers, pred_hidden):
+                new = b.expand(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)]).view(len(fr), k)
+                for i in range(len(fr)):
+                    for child in new[i].tolist():
+                        ph[child] = out[row + i]
+                row += len(fr)
+        return [b.finalize() for b in builders]
+
+    @staticmethod
+    def _scratch_mask(builder: TreeBuilder, frontier: list[int], slot_of: dict[int, int],
+                      width: int) -> torch.Tensor:
+        """[F, width] bool over this round's scratch slots: each frontier node sees the slots of its
+        ancestors drafted at earlier steps, and its own."""
+        mask = torch.zeros(len(frontier), width, dtype=torch.bool)
+        parents = builder.parents.tolist()
+        for f, node in enumerate(frontier):
+            n = node
+            while n > 0:
+                if n in slot_of:
+                    mask[f, slot_of[n]] = True
+                n = parents[n]
+        return mask

@@ -1,0 +1,262 @@
+"""Draft trees: the shape one round of speculation takes for one request.
+
+1. The drafter makes a `TreeBuilder` rooted at the request's last committed token (the root: it is
+   committed but has no KV yet, so the verify forward writes it).
+2. For each of `num_steps` steps, `frontier()` names the nodes to run the draft on and `expand()`
+   adds their top-k children, scored by cumulative draft log-prob (EAGLE-2).
+3. `finalize()` keeps the root plus the best `num_draft_tokens - 1` nodes: a `DraftTree`.
+4. `build_verify_inputs()` flattens a batch of trees for one target forward with tree attention.
+5. `specpd.verify.greedy` / `specpd.verify.rejection` pick the accepted path (vocabulary there);
+   `kv_moves()` says which scratch KV slots the commit compacts.
+
+KV slots versus positions: node i of a tree is written at KV slot `committed_len + i` (scratch) but
+rotated at position `committed_len + depth[i]`. `committed_len` counts tokens whose KV is cached, so
+the root sits at position (and slot) `committed_len`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """One request's proposal tree; node order has parents before children (parents[i] < i)."""
+
+    tokens: torch.Tensor  # [T] long; node 0 is the root (the last committed token)
+    parents: torch.Tensor  # [T] long; -1 for the root
+    depth: torch.Tensor  # [T] long; root 0
+    cum_logprob: torch.Tensor  # [T] float; draft log-prob of the path root..i, root 0
+    # [T, V]: row i is the distribution token i was sampled from, given its earlier siblings (row 0
+    # unused). None: deterministic (top-k) proposals, i.e. a one-hot proposal per candidate.
+    proposal_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        for name in ("parents", "depth", "cum_logprob"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"DraftTree.{name} must have shape [{n}], got {tuple(getattr(self, name).shape)}")
+        if self.proposal_probs is not None and self.proposal_probs.shape[0] != n:
+            raise ValueError(f"DraftTree.proposal_probs must have {n} rows, got {self.proposal_probs.shape[0]}")
+
+    @classmethod
+    def chain(cls, root_token: int, draft_tokens: list[int] | torch.Tensor,
+              draft_logprobs: torch.Tensor | None = None,
+              proposal_probs: torch.Tensor | None = None) -> "DraftTree":
+        """A chain root -> d_1 -> ... -> d_n. proposal_probs [n, V] are the distributions d_i were
+        sampled from (no root row); draft_logprobs [n] are per-token draft log-probs."""
+        drafts = torch.as_tensor(draft_tokens, dtype=torch.long).reshape(-1)
+        n = drafts.shape[0]
+        device = drafts.device
+        cum = torch.zeros(n + 1, device=device)
+        if draft_logprobs is not None:
+            cum[1:] = draft_logprobs.float().to(device).cumsum(0)
+        if proposal_probs is not None:
+            proposal_probs = torch.cat([proposal_probs.new_zeros(1, proposal_probs.shape[1]), proposal_probs])
+        return cls(
+            tokens=torch.cat([torch.tensor([root_token], device=device), drafts]),
+            parents=torch.arange(-1, n, device=device),
+            depth=torch.arange(n + 1, device=device),
+            cum_logprob=cum,
+            proposal_probs=proposal_probs,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def path_to(self, node: int) -> list[int]:
+        """Node ids root..node."""
+        parents = self.parents.tolist()
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]
+
+    def children(self, node: int) -> list[int]:
+        """Child ids in sibling order (the order the verifier tries them)."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def children_table(self, width: int | None = None) -> torch.Tensor:
+        """[T, width] long: row i lists i's children in sibling order, padded with -1."""
+        n = self.num_nodes
+        child = torch.arange(1, n, device=self.tokens.device)
+        order = torch.sort(self.parents[1:], stable=True).indices
+        par_sorted = self.parents[1:][order]
+        # rank among siblings = position in the sorted run of equal parents
+        rank = torch.arange(n - 1, device=child.device) - torch.searchsorted(par_sorted, par_sorted)
+        width = int(rank.max()) + 1 if width is None and n > 1 else (width or 1)
+        table = torch.full((n, width), -1, dtype=torch.long, device=child.device)
+        table[par_sorted, rank] = child[order]
+        return table
+
+    def attention_mask(self) -> torch.Tensor:
+        """[T, T] bool: node i attends to node j iff j is an ancestor of i or i itself."""
+        n = self.num_nodes
+        rows = torch.arange(n, device=self.tokens.device)
+        mask = torch.zeros(n, n, dtype=torch.bool, device=rows.device)
+        mask[rows, rows] = True
+        ancestor = self.parents.clone()
+        for _ in range(self.max_depth):
+            has = ancestor >= 0
+            mask[rows[has], ancestor[has]] = True
+            ancestor = torch.where(has, self.parents[ancestor.clamp(min=0)], ancestor)
+        return mask
+
+    def kv_mask(self, committed_len: int) -> torch.Tensor:
+        """[T, committed_len + T] bool: the whole cached prefix, then the tree mask over the scratch slots."""
+        prefix = torch.ones(self.num_nodes, committed_len, dtype=torch.bool, device=self.tokens.device)
+        return torch.cat([prefix, self.attention_mask()], dim=1)
+
+    def positions(self, start: int) -> torch.Tensor:
+        """[T] long rotary positions: start (= committed_len) + depth."""
+        return start + self.depth
+
+
+def kv_moves(accepted_nodes: list[int]) -> list[tuple[int, int]]:
+    """(src, dst) KV slot offsets from committed_len that put the accepted path in consecutive slots
+    after the root. Applying them in order is safe: src >= dst, and every later src is larger."""
+    return [(node, k + 1) for k, node in enumerate(accepted_nodes) if node != k + 1]
+
+
+class TreeBuilder:
+    """EAGLE-2 tree growth for one request (SGLang's select_top_k_tokens + organize_draft_results).
+
+    Step 0 expands the root with its top-k; step s >= 1 expands the best `topk` of step s-1's new
+    candidates, each with its top-k. Every candidate ever created competes in `finalize()`.
+    Pool size: 1 + topk + (num_steps - 1) * topk**2 nodes, numbered in creation order.
+    """
+
+    def __init__(self, root_token: int, topk: int, num_steps: int, num_draft_tokens: int,
+                 device: str | torch.device = "cpu"):
+        if topk < 1 or num_steps < 1 or num_draft_tokens < 2:
+            raise ValueError(f"need topk >= 1, num_steps >= 1, num_draft_tokens >= 2; got "
+                             f"topk={topk}, num_steps={num_steps}, num_draft_tokens={num_draft_tokens}")
+        self.topk, self.num_steps, self.num_draft_tokens = topk, num_steps, num_draft_tokens
+        capacity = 1 + topk + (num_steps - 1) * topk * topk
+        self._tokens = torch.full((capacity,), int(root_token), dtype=torch.long, device=device)
+        self._parents = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self._depth = torch.zeros(capacity, dtype=torch.long, device=device)
+        self._cum = torch.zeros(capacity, device=device)
+        self._proposals: list[torch.Tensor] | None = None  # per step [F * K, V] (chains only)
+        self._size = 1
+        self._last = (0, 1)  # node id range created by the last expand (the root before step 0)
+        self.steps_done = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self._size
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done == self.num_steps
+
+    # Views of the pool in creation order (the drafter builds its own attention from these).
+    @property
+    def tokens(self) -> torch.Tensor:  # [N] long
+        return self._tokens[: self._size]
+
+    @property
+    def parents(self) -> torch.Tensor:  # [N] long
+        return self._parents[: self._size]
+
+    @property
+    def depth(self) -> torch.Tensor:  # [N] long
+        return self._depth[: self._size]
+
+    @property
+    def cum_logprob(self) -> torch.Tensor:  # [N] float
+        return self._cum[: self._size]
+
+    def frontier(self) -> torch.Tensor:
+        """[F] long pool ids to expand this step, ascending: the root at step 0, later the best `topk`
+        of the last step's new nodes by (cum_logprob desc, id asc)."""
+        if self.done:
+            raise RuntimeError(f"all {self.num_steps} draft steps are done")
+        start, end = self._last
+        best = torch.sort(self._cum[start:end], descending=True, stable=True).indices[: self.topk]
+        return (best + start).sort().values
+
+    def expand(self, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+               proposal_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """Add K children per frontier node, in frontier order then rank order.
+
+        topk_ids [F, K] long, topk_probs [F, K] draft probs (only scores). proposal_probs [F, K, V]:
+        the distribution each child was sampled from; allowed for chains (topk == 1) only, because
+        keeping sampled candidates by their score biases them away from that distribution.
+        Returns [F * K] new pool ids.
+        """
+        frontier = self.frontier()
+        f, k = frontier.shape[0], self.topk
+        if tuple(topk_ids.shape) != (f, k) or tuple(topk_probs.shape) != (f, k):
+            raise ValueError(f"expand expects topk_ids/topk_probs of shape [{f}, {k}], "
+                             f"got {tuple(topk_ids.shape)} / {tuple(topk_probs.shape)}")
+        if proposal_probs is not None and k != 1:
+            raise ValueError("sampled proposals need topk == 1: tree pruning by draft score is not lossless for them")
+        if (proposal_probs is None) != (self._proposals is None) and self.steps_done > 0:
+            raise ValueError("proposal_probs must be given at every step or at none")
+        device = self._tokens.device
+        start, end = self._size, self._size + f * k
+        logp = torch.log(topk_probs.float().to(device)).nan_to_num(nan=float("-inf")).clamp(max=0.0)
+        self._tokens[start:end] = topk_ids.to(device).reshape(-1)
+        self._parents[start:end] = frontier.repeat_interleave(k)
+        self._depth[start:end] = self.steps_done + 1
+        # a child never outscores its parent (log p <= 0): finalize() relies on it
+        self._cum[start:end] = (self._cum[frontier].unsqueeze(1) + logp).reshape(-1)
+        if proposal_probs is not None:
+            self._proposals = (self._proposals or []) + [proposal_probs.to(device).reshape(f * k, -1)]
+        self._size, self._last = end, (start, end)
+        self.steps_done += 1
+        return torch.arange(start, end, device=device)
+
+    def finalize(self) -> DraftTree:
+        """The root plus the best T-1 nodes (T = min(num_draft_tokens, pool size)) by
+        (cum_logprob desc, id asc), renumbered in creation order.
+
+        Ancestor-closed even under ties: a parent has a smaller id and cum_logprob >= its child's,
+        so it always ranks before the child.
+        """
+        n = self._size
+        t = min(self.num_draft_tokens, n)
+        best = torch.sort(self._cum[1:n], descending=True, stable=True).indices[: t - 1] + 1
+        keep = torch.cat([best.new_zeros(1), best.sort().values])
+        new_id = torch.full((n,), -1, dtype=torch.long, device=keep.device)
+        new_id[keep] = torch.arange(t, device=keep.device)
+        parents = torch.where(keep == 0, -1, new_id[self._parents[keep].clamp(min=0)])
+        proposal = None
+        if self._proposals is not None:
+            rows = torch.cat(self._proposals)
+            proposal = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])[keep]
+        return DraftTree(self._tokens[keep], parents, self._depth[keep], self._cum[keep], proposal)
+
+
+@dataclass
+class TreeVerifyInputs:
+    """One target forward over a batch of trees; each tree's nodes are queries after its prefix."""
+
+    input_ids: torch.Tensor  # [num_tokens] long, the trees' tokens concatenated
+    positions: torch.Tensor  # [num_tokens] long, committed_len + depth
+    qo_indptr: torch.Tensor  # [batch + 1] long, offsets of each tree in the flat arrays
+    tree_masks: list[torch.Tensor]  # per request [T_b, T_b] bool, True = attend
+    q_lens: list[int]  # T_b
+    kv_lens: list[int]  # committed_len_b + T_b (node i's KV goes to slot committed_len_b + i)
+
+
+def build_verify_inputs(trees: list[DraftTree], committed_lens: list[int]) -> TreeVerifyInputs:
+    if len(trees) != len(committed_lens):
+        raise ValueError(f"{len(trees)} trees but {len(committed_lens)} committed_lens")
+    q_lens = [t.num_nodes for t in trees]
+    indptr = torch.tensor([0] + q_lens).cumsum(0)
+    return TreeVerifyInputs(
+        input_ids=torch.cat([t.tokens for t in trees]),
+        positions=torch.cat([t.positions(c) for t, c in zip(trees, committed_lens)]),
+        qo_indptr=indptr.to(trees[0].tokens.device),
+        tree_masks=[t.attention_mask() for t in trees],
+        q_lens=q_lens,
+        kv_lens=[c + q for c, q in zip(committed_lens, q_lens)],
+    )

@@ -1,0 +1,391 @@
+"""Draft families load the published key layouts, run over paged KV, and match a dense oracle.
+
+The oracle (`dense_draft`) recomputes each family from the published tensors alone, one sequence at
+a time with a plain causal softmax: it checks the fused-weight mapping, the norm placement and the
+paged attention together.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specpd.attention.metadata import AttentionMetadata
+from specpd.attention.torch_backend import TorchAttentionBackend
+from specpd.config import ModelConfig
+from specpd.draft.eagle3 import resolve_aux_layer_ids
+from specpd.draft.loader import load_draft_model, random_draft_checkpoint, read_draft_checkpoint, save_draft_model
+from specpd.kv.pool import KVPool
+from specpd.model.llama import CausalLM
+from tests.model.hf_models import tiny_config
+
+AUX = [1, 2, 3]  # EAGLE-3 aux layer inputs for the 4-layer tiny target (defaults need >= 6 layers)
+LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+         "post_attention_layernorm.weight"]
+QKV_BIAS = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+EAGLE1_KEYS = ["fc.weight", "fc.bias"] + [f"layers.0.{k}" for k in LAYER]
+EAGLE3_KEYS = (["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
+                "midlayer.hidden_norm.weight"] + [f"midlayer.{k}" for k in LAYER])
+MTP_KEYS = [f"model.layers.4.{k}" for k in ["enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                            "shared_head.norm.weight", "input_layernorm.weight"] + LAYER]
+EXTRA = {  # per target arch, what its decoder layer adds
+    "llama": [], "qwen2": QKV_BIAS, "qwen3": ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]}
+
+FAMILIES = {  # id -> (algorithm, config overrides, draft step)
+    "eagle": ("eagle", {}, 0),
+    "eagle3": ("eagle3", {"eagle_aux_hidden_state_layer_ids": AUX}, 0),
+    "eagle3-reduced": ("eagle3", {"eagle_aux_hidden_state_layer_ids": AUX, "draft_vocab_size": 96}, 0),
+    # target_hidden_size configs: a narrower draft with its own embedding
+    "eagle3-narrow": ("eagle3", {"eagle_aux_hidden_state_layer_ids": AUX, "hidden_size": 32, "intermediate_size": 64,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}, 0),
+    "mtp": ("mtp", {}, 0),
+    "mtp2-step1": ("mtp", {"num_nextn_predict_layers": 2}, 1),
+}
+
+
+def target_config(arch="llama"):
+    return ModelConfig.from_hf(tiny_config(arch, num_hidden_layers=4).to_dict())
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return CausalLM(target_config(), max_positions=128).eval()
+
+
+def make_draft(tmp_path, target, family):
+    algorithm, overrides, step = FAMILIES[family]
+    overrides = dict(overrides)
+    dv = overrides.pop("draft_vocab_size", None)
+    random_draft_checkpoint(str(tmp_path), algorithm, target.config, seed=1, draft_vocab_size=dv, **overrides)
+    return load_draft_model(str(tmp_path), algorithm, target, target.config), step
+
+
+def draft_attention(draft, num_pages=32, page_size=4):
+    pool = KVPool.for_model(draft.config, page_size, torch.float32, num_pages=num_pages)
+    return pool, TorchAttentionBackend(pool, draft.config.num_heads, draft.config.head_dim)
+
+
+def features(draft, n, seed=2):
+    width = draft.target_config.hidden_size * max(1, len(draft.aux_layer_ids))
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- dense oracle from the published tensors ----------------------------------------------------
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, cfg):  # x [T, heads, D], positions 0..T-1
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(x.shape[0]).float(), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+
+def dense_attn(w, p, x, cfg):
+    def proj(name, heads):
+        y = x @ w[f"{p}self_attn.{name}_proj.weight"].T
+        if f"{p}self_attn.{name}_proj.bias" in w:
+            y = y + w[f"{p}self_attn.{name}_proj.bias"]
+        y = y.view(x.shape[0], heads, cfg.head_dim)
+        norm = w.get(f"{p}self_attn.{name}_norm.weight")  # qwen3 q/k norm
+        return y if norm is None else rms(y, norm, cfg.rms_norm_eps)
+    q, k, v = proj("q", cfg.num_heads), proj("k", cfg.num_kv_heads), proj("v", cfg.num_kv_heads)
+    q, k = rope(q, cfg), rope(k, cfg)
+    rep = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / cfg.head_dim ** 0.5
+    scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], -1)
+    return out @ w[f"{p}self_attn.o_proj.weight"].T
+
+
+def dense_mlp(w, p, x):
+    gate, up = x @ w[f"{p}mlp.gate_proj.weight"].T, x @ w[f"{p}mlp.up_proj.weight"].T
+    return (F.silu(gate) * up) @ w[f"{p}mlp.down_proj.weight"].T
+
+
+def dense_draft(draft, w, ids, hidden, step):
+    """One sequence, positions 0..T-1 -> (draft hidden, logits over the draft vocab)."""
+    cfg, eps, tgt = draft.config, draft.config.rms_norm_eps, draft.target
+    emb = (w["embed_tokens.weight"] if "embed_tokens.weight" in w else tgt.model.embed_tokens.weight)[ids]
+    head = tgt.head_weight
+    if draft.algorithm == "eagle":
+        x = torch.cat([emb, hidden], -1) @ w["fc.weight"].T + w["fc.bias"]
+        x = x + dense_attn(w, "layers.0.", x, cfg)  # no input_layernorm on layer 0
+        x = x + dense_mlp(w, "layers.0.", rms(x, w["layers.0.post_attention_layernorm.weight"], eps))
+        return x, x @ head.T
+    if draft.algorithm == "eagle3":
+        h = hidden @ w["fc.weight"].T if hidden.shape[-1] != cfg.hidden_size else hidden
+        a = torch.cat([rms(emb, w["midlayer.input_layernorm.weight"], eps),
+                       rms(h, w["midlayer.hidden_norm.weight"], eps)], -1)
+        x = h + dense_attn(w, "midlayer.", a, cfg)
+        x = x + dense_mlp(w, "midlayer.", rms(x, w["midlayer.post_attention_layernorm.weight"], eps))
+        return x, rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    p = f"model.layers.{draft.first_layer_index + step % cfg.num_layers}."
+    x = torch.cat([rms(emb, w[p + "enorm.weight"], eps), rms(hidden, w[p + "hnorm.weight"], eps)], -1)
+    x = x @ w[p + "eh_proj.weight"].T
+    x = x + dense_attn(w, p, rms(x, w[p + "input_layernorm.weight"], eps), cfg)
+    x = x + dense_mlp(w, p, rms(x, w[p + "post_attention_layernorm.weight"], eps))
+    return x, rms(x, w[p + "shared_head.norm.weight"], eps) @ head.T
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])
+def test_published_key_set(tmp_path, algorithm, arch):
+    cfg = target_config(arch)
+    random_draft_checkpoint(str(tmp_path), algorithm, cfg, draft_vocab_size=96 if algorithm == "eagle3" else None,
+                            eagle_aux_hidden_state_layer_ids=AUX)
+    config, weights = read_draft_checkpoint(str(tmp_path))
+    if algorithm == "eagle":  # EAGLE layers are Llama-style; Qwen2 drafts keep q/k/v bias ("qkv_bias")
+        expected = EAGLE1_KEYS + ([f"layers.0.{k}" for k in QKV_BIAS] if arch == "qwen2" else [])
+    elif algorithm == "eagle3":
+        expected = EAGLE3_KEYS + ([f"midlayer.{k}" for k in QKV_BIAS] if arch == "qwen2" else [])
+    else:  # the MTP block is of the target's kind
+        expected = MTP_KEYS + [f"model.layers.4.{k}" for k in EXTRA[arch]]
+    assert sorted(weights) == sorted(expected)
+    if algorithm == "eagle3":
+        assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+        assert weights["lm_head.weight"].shape == (96, 64) and weights["t2d"].shape == (320,)
+        assert weights["midlayer.self_attn.q_proj.weight"].shape == (cfg.q_size, 128)  # input [emb; hidden] = 2H
+        assert weights["fc.weight"].shape == (64, 192)
+        assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: layer outputs
+    if algorithm == "mtp":
+        assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_save_roundtrip(tmp_path, target, family):
+    draft, _ = make_draft(tmp_path / "a", target, family)
+    _, original = read_draft_checkpoint(str(tmp_path / "a"))
+    save_draft_model(draft, str(tmp_path / "b"))
+    _, again = read_draft_checkpoint(str(tmp_path / "b"))
+    assert sorted(original) == sorted(again)
+    assert all(torch.equal(original[k], again[k]) for k in original)
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+SEQS = [7, 10, 1]
+PAGES = [[3, 11], [7, 1, 14], [9]]  # scattered, crossing page boundaries (page_size 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_forward_matches_dense_oracle(tmp_path, target, family):
+    draft, step = make_draft(tmp_path, target, family)
+    _, weights = read_draft_checkpoint(str(tmp_path))
+    _, backend = draft_attention(draft)
+    ids = torch.randint(0, 320, (sum(SEQS),), generator=torch.Generator().manual_seed(3))
+    hidden = features(draft, sum(SEQS))
+    positions = torch.cat([torch.arange(n) for n in SEQS])
+    meta = backend.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4))
+    with torch.no_grad():
+        out = draft(ids, hidden, positions, backend, meta, step=step)
+        logits = draft.compute_logits(out, step=step)
+        start = 0
+        for n in SEQS:
+            ref_h, ref_logits = dense_draft(draft, weights, ids[start:start + n], hidden[start:start + n], step)
+            torch.testing.assert_close(out[start:start + n], ref_h, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logits[start:start + n], ref_logits, atol=2e-4, rtol=1e-4)
+            start += n
+    assert out.shape == (sum(SEQS), draft.config.hidden_size) and logits.dtype == torch.float32
+    assert logits.shape == (sum(SEQS), draft.draft_vocab_size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_then_tokens_equals_whole_sequence(tmp_path, target, family):
+    """Draft KV written over several calls (extend, extend-after-prefix, decode) gives the same
+    outputs as one call over the whole sequences: positions and causality line up."""
+    draft, step = make_draft(tmp_path, target, family)
+    lens = [7, 10]
+    total = sum(lens)
+    ids = torch.randint(0, 320, (total,), generator=torch.Generator().manual_seed(4))
+    hidden = features(draft, total)
+    rows = [torch.arange(0, 7), torch.arange(7, 17)]
+
+    def run(chunks):  # chunks: list of per-sequence (start, end) position ranges per call
+        _, backend = draft_attention(draft)
+        outs = [[], []]
+        for chunk in chunks:
+            sel = torch.cat([rows[b][s:e] for b, (s, e) in enumerate(chunk)])
+            pos = torch.cat([torch.arange(s, e) for s, e in chunk])
+            meta = backend.plan(AttentionMetadata.build([e - s for s, e in chunk], [e for _, e in chunk], PAGES[:2], 4))
+            with torch.no_grad():
+                out = draft(ids[sel], hidden[sel], pos, backend, meta, step=step)
+            offset = 0
+            for b, (s, e) in enumerate(chunk):
+                outs[b].append(out[offset:offset + e - s])
+                offset += e - s
+        return torch.cat([torch.cat(o) for o in outs])
+
+    whole = run([[(0, 7), (0, 10)]])
+    pieces = run([[(0, 4), (0, 6)], [(4, 6), (6, 9)], [(6, 7), (9, 10)]])
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_eagle3_runs_on_captured_target_features_and_chains(tmp_path, target):
+    draft, _ = make_draft(tmp_path, target, "eagle3")
+    assert draft.aux_layer_ids == (1, 2, 3) and not draft.uses_target_final_hidden
+    ids = torch.arange(5, 14)
+    tpool = KVPool.for_model(target.config, 4, torch.float32, num_pages=8)
+    tbackend = TorchAttentionBackend(tpool, target.config.num_heads, target.config.head_dim)
+    _, backend = draft_attention(draft)
+    with torch.no_grad():
+        meta = tbackend.plan(AttentionMetadata.build([9], [9], [[2, 5, 6]], 4))
+        _, captured = target(ids, torch.arange(9), tbackend, meta, capture_layers=draft.aux_layer_ids)
+        fused = torch.cat(captured, dim=-1)  # [T, 3H], ascending layer order
+        dmeta = backend.plan(AttentionMetadata.build([8], [8], [[2, 5]], 4))
+        h = draft(ids[1:], fused[:-1], torch.arange(8), backend, dmeta)  # row p: token x_{p+1}, feature p
+        top = draft.draft_to_target(draft.compute_logits(h[-1:]).argmax(-1))
+        step_meta = backend.plan(AttentionMetadata.build([1], [9], [[2, 5, 6]], 4))
+        h2 = draft(top, h[-1:], torch.tensor([8]), backend, step_meta, step=1)  # own hidden: fc skipped
+    assert fused.shape == (9, 192) and h2.shape == (1, 64)
+    assert torch.isfinite(draft.compute_logits(h2)).all()
+
+
+# ---- vocabulary ---------------------------------------------------------------------------------
+
+def test_eagle3_reduced_vocab_maps_through_d2t(tmp_path, target):
+    draft, _ = make_draft(tmp_path, target, "eagle3-reduced")
+    _, weights = read_draft_checkpoint(str(tmp_path))
+    hot = torch.arange(96) + weights["d2t"]
+    assert torch.equal(torch.nonzero(weights["t2d"]).flatten(), hot)  # t2d marks exactly the hot ids
+    assert torch.equal(draft.draft_to_target(torch.arange(96)), hot)
+    grid = torch.tensor([[0, 95], [3, 3]])  # any shape, e.g. [batch, topk]
+    assert torch.equal(draft.draft_to_target(grid), hot[grid])
+    h = torch.randn(4, 64)
+    logits = draft.compute_logits(h)
+    assert logits.shape == (4, 96)
+    probs = logits.softmax(-1)
+    full = draft.to_target_vocab(probs)
+    assert full.shape == (4, 320) and torch.equal(full[:, hot], probs)
+    assert full.sum(-1).allclose(torch.ones(4)) and (full[:, ~weights["t2d"]] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["eagle", "mtp", "eagle3"])
+def test_restricted_vocab_keeps_hot_rows(tmp_path, target, family):
+    draft, step = make_draft(tmp_path / "full", target, family)
+    hot = torch.tensor([300, 4, 17, 250, 5, 99])  # unsorted on purpose
+    reduced = load_draft_model(str(tmp_path / "full"), FAMILIES[family][0], target, target.config, hot_token_ids=hot)
+    h = torch.randn(3, 64)
+    with torch.no_grad():
+        full_logits, small = draft.compute_logits(h, step), reduced.compute_logits(h, step)
+    ids = reduced.draft_to_target(torch.arange(6))
+    assert torch.equal(ids, hot.sort().values) and reduced.t2d.sum() == 6
+    torch.testing.assert_close(small, full_logits[:, ids])
+    # the reduced draft saves and reloads in the published layout (lm_head rows + d2t + t2d)
+    save_draft_model(reduced, str(tmp_path / "small"))
+    again = load_draft_model(str(tmp_path / "small"), FAMILIES[family][0], target, target.config)
+    assert again.draft_vocab_size == 6 and torch.equal(again.draft_to_target(torch.arange(6)), ids)
+    with torch.no_grad():
+        torch.testing.assert_close(again.compute_logits(h, step), small)
+
+
+# ---- checkpoint variants and errors -------------------------------------------------------------
+
+def rewrite(path, weights=None, config=None):
+    from safetensors.torch import save_file
+    if weights is not None:
+        save_file(weights, os.path.join(path, "model.safetensors"))
+    if config is not None:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+
+
+def test_eagle1_pytorch_bin_with_embedding_copy(tmp_path, target):
+    draft, _ = make_draft(tmp_path, target, "eagle")
+    _, weights = read_draft_checkpoint(str(tmp_path))
+    weights["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()  # EAGLE-1 releases carry it
+    os.remove(tmp_path / "model.safetensors")
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    again = load_draft_model(str(tmp_path), "eagle", target, target.config)
+    assert torch.equal(again.fc.weight, draft.fc.weight) and again.embed_tokens is None
+
+
+def test_mtp_inside_target_checkpoint_and_extracted_nextn(tmp_path, target):
+    draft, _ = make_draft(tmp_path, target, "mtp")
+    config, weights = read_draft_checkpoint(str(tmp_path))
+    h, ids, pos = torch.randn(5, 64), torch.arange(5), torch.arange(5)
+
+    def run(d):
+        _, backend = draft_attention(d)
+        with torch.no_grad():
+            return d(ids, h, pos, backend, backend.plan(AttentionMetadata.build([5], [5], [[1, 2]], 4)))
+
+    expected = run(draft)
+    # DeepSeek-V3 style: MTP layers ship inside the target's checkpoint, with embed/head copies
+    full = dict(weights, **{"model.embed_tokens.weight": torch.zeros(320, 64), "model.norm.weight": torch.ones(64),
+                            "lm_head.weight": torch.zeros(320, 64),
+                            "model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64),
+                            "model.layers.4.embed_tokens.weight": torch.zeros(320, 64),
+                            "model.layers.4.shared_head.head.weight": target.lm_head_weight.detach().clone()})
+    rewrite(tmp_path, full)
+    inside = load_draft_model(str(tmp_path), "mtp", target, target.config)
+    assert inside.mtp[0].shared_head.head is not None  # a present head is the module's own
+    torch.testing.assert_close(run(inside), expected)
+    # SGLang's extracted NextN layout: the module at model.layers.0, num_hidden_layers 1
+    rewrite(tmp_path, {k.replace("model.layers.4.", "model.layers.0."): v for k, v in weights.items()},
+            dict(config, num_hidden_layers=1))
+    extracted = load_draft_model(str(tmp_path), "nextn", target, target.config)
+    assert extracted.first_layer_index == 0
+    torch.testing.assert_close(run(extracted), expected)
+
+
+@pytest.mark.parametrize("family,edit,message", [
+    ("eagle", lambda w: w.update({"layers.0.self_attn.qkv_proj.weight": torch.zeros(1)}), "unexpected keys.*qkv_proj"),
+    ("eagle", lambda w: w.pop("fc.bias"), "missing keys.*'fc.bias'"),
+    ("eagle3", lambda w: w.pop("midlayer.hidden_norm.weight"), "missing keys.*hidden_norm"),
+    ("eagle3", lambda w: w.update({"lm_head.weight": torch.zeros(320, 64)}),
+     r"lm_head.weight has shape \(320, 64\), expected \(96, 64\)"),
+    ("eagle3", lambda w: w.update({"d2t": torch.full((96,), 400)}), "d2t maps draft ids outside"),
+    ("mtp", lambda w: w.update({"model.layers.4.mlp.experts.0.up_proj.weight": torch.zeros(1)}),
+     "unexpected keys.*experts"),
+    ("mtp", lambda w: w.update({"model.layers.6.eh_proj.weight": torch.zeros(64, 128)}), "modules at layers"),
+])
+def test_bad_checkpoints_name_the_keys(tmp_path, target, family, edit, message):
+    make_draft(tmp_path, target, family if family != "eagle3" else "eagle3-reduced")
+    _, weights = read_draft_checkpoint(str(tmp_path))
+    edit(weights)
+    rewrite(tmp_path, weights)
+    with pytest.raises(ValueError, match=message):
+        load_draft_model(str(tmp_path), FAMILIES[family][0], target, target.config)
+
+
+def test_config_errors(tmp_path, target):
+    random_draft_checkpoint(str(tmp_path), "eagle3", target.config, hidden_size=32,
+                            eagle_aux_hidden_state_layer_ids=AUX)
+    config, weights = read_draft_checkpoint(str(tmp_path))
+    assert config["target_hidden_size"] == 64 and weights["fc.weight"].shape == (32, 192)
+    del weights["embed_tokens.weight"]
+    rewrite(tmp_path, weights)
+    with pytest.raises(ValueError, match="must carry its own embed_tokens.weight"):
+        load_draft_model(str(tmp_path), "eagle3", target, target.config)
+    with pytest.raises(ValueError, match="unknown draft algorithm 'medusa'"):
+        random_draft_checkpoint(str(tmp_path), "medusa", target.config)
+    with pytest.raises(ValueError, match=r"aux layer ids \[1, 2, 4\].*4-layer target"):
+        random_draft_checkpoint(str(tmp_path), "eagle3", target.config, eagle_aux_hidden_state_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match=r"\[2, 2, 1\].*4-layer"):  # defaults (2, L//2, L-3) collide on 4 layers
+        random_draft_checkpoint(str(tmp_path), "eagle3", target.config)
+    random_draft_checkpoint(str(tmp_path), "eagle", target.config)
+    config, _ = read_draft_checkpoint(str(tmp_path))
+    rewrite(tmp_path, config=dict(config, vocab_size=1000))
+    with pytest.raises(ValueError, match="vocab_size 1000, target has 320"):
+        load_draft_model(str(tmp_path), "eagle", target, target.config)
+
+
+def test_aux_layer_id_conventions():
+    assert resolve_aux_layer_ids({}, 30) == (2, 15, 27)  # SmolLM2-135M: reference/SGLang/vLLM default
+    assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [27, 2, 15]}, 30) == (2, 15, 27)
+    # SGLang / SpecForge nest layer OUTPUT ids in eagle_config; SGLang captures them at id + 1
+    assert resolve_aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, 30) == (2, 15, 27)
+    with pytest.raises(ValueError, match="disagrees"):
+        resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [1, 14, 26],
+                               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, 30)

@@ -20,6 +20,10 @@ Each candidate is plain speculative sampling of the target r from the proposal q
 the next step, so by induction the committed tokens follow the target exactly. A chain is the tree
 with one child per node. A residual with no mass left (only by rounding, r == q_c) falls back to
 p(node); that moves at most ~1e-6 of probability.
+Lossless needs q_c to be the distribution c was really drawn from (given its earlier siblings), and
+c's presence in the tree not to depend on its token. Top-k trees meet this however they are pruned
+(one-hot q); sampled proposals do for chains and for trees that keep every sampled child, which is
+why TreeBuilder takes proposals only for chains.
 
 Randomness: T uniforms per request from its own torch.Generator, drawn whatever the outcome (so a
 seeded request replays): coin c decides node c; coin 0 (the root is never tested) draws the bonus by
@@ -111,23 +115,23 @@ def tree_rejection_sample(
             b = (descending & ~moved & (child >= 0)).nonzero().squeeze(1)  # rows trying a candidate
             if b.numel() == 0:
                 break  # children are packed first, so no row has a later sibling either
-            c, tok, p_row = child[b], tokens[b, child[b]], node_offsets[b] + node[b]
-            r_tok = torch.where(fresh[b], target_probs[p_row, tok].float(), residual[b, tok])
-            q_tok = torch.ones_like(r_tok) if proposal_probs is None else proposal_probs[node_offsets[b] + c, tok].float()
-            accept = _accept(coins[b, c], r_tok, q_tok)
-            no = ~accept
-            if no.any():
-                rb, p_rb = b[no], target_probs[p_row[no]].float()
+            cand, parent_row, cand_row = child[b], node_offsets[b] + node[b], node_offsets[b] + child[b]
+            tok = tokens[b, cand]
+            r_tok = torch.where(fresh[b], target_probs[parent_row, tok].float(), residual[b, tok])
+            q_tok = torch.ones_like(r_tok) if proposal_probs is None else proposal_probs[cand_row, tok].float()
+            accept = _accept(coins[b, cand], r_tok, q_tok)
+            if not accept.all():
+                no = ~accept
+                rb, p = b[no], target_probs[parent_row[no]].float()  # p: [m, V]
                 if proposal_probs is None:
-                    q = torch.zeros_like(p_rb).scatter_(1, tok[no].unsqueeze(1), 1.0)
+                    q = torch.zeros_like(p).scatter_(1, tok[no].unsqueeze(1), 1.0)
                 else:
-                    q = proposal_probs[node_offsets[rb] + c[no]].float()
-                r = torch.where(fresh[rb].unsqueeze(1), p_rb, residual[rb])
-                residual[rb] = _residual(r, q, p_rb)
+                    q = proposal_probs[cand_row[no]].float()
+                residual[rb] = _residual(torch.where(fresh[rb].unsqueeze(1), p, residual[rb]), q, p)
                 fresh[rb] = False
             ab = b[accept]
-            accepted[ab, level] = c[accept]
-            node[ab] = c[accept]
+            accepted[ab, level] = cand[accept]
+            node[ab] = cand[accept]
             fresh[ab] = True
             moved[ab] = True
         descending &= moved

@@ -105,7 +105,7 @@ def test_lower_triangular_tree_is_exactly_causal():
     tree = paged_extend_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.page_table, 0.25,
                                   block_m=16, block_n=16, tree_mask=tree_meta.tree_mask,
                                   tree_mask_indptr=tree_meta.tree_mask_indptr)
-    torch.testing.assert_close(tree, causal, atol=1e-6, rtol=1e-6)
+    assert torch.equal(tree, causal)
 
 
 # (q_lens, kv_lens, trees, Hq, Hkv, D, page_size, dtype, block_m, block_n)

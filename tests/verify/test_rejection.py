@@ -199,8 +199,8 @@ def test_one_hot_target_reduces_to_greedy():
 def test_verify_trees_ragged_batch_greedy_rows_and_seeds():
     gen = torch.Generator().manual_seed(4)
     q = torch.softmax(torch.randn(3, V, generator=gen), -1)
-    trees = [random_tree(gen), DraftTree.chain(1, [2, 3, 4], proposal_probs=q), random_tree(gen, topk=2, num_draft_tokens=4),
-             DraftTree.chain(5, [])]
+    trees = [random_tree(gen), DraftTree.chain(1, [2, 3, 4], proposal_probs=q),
+             random_tree(gen, topk=2, num_draft_tokens=4), DraftTree.chain(5, [])]
     probs = torch.softmax(torch.randn(sum(t.num_nodes for t in trees), V, generator=gen), -1)
     greedy = [False, False, True, False]
 
@@ -218,6 +218,10 @@ def test_verify_trees_ragged_batch_greedy_rows_and_seeds():
             torch.rand(tree.num_nodes, generator=fresh)
         assert torch.equal(torch.rand(1, generator=gens[b]), torch.rand(1, generator=fresh))
     rows = probs.split([t.num_nodes for t in trees])
+    # a request's outcome does not depend on its batchmates (the top-k tree shares a batch with a
+    # sampled chain, so its one-hot proposals are spelled out there)
+    for b in (0, 1, 3):
+        assert verify_tree(trees[b], rows[b], torch.Generator().manual_seed(10 + b)) == first[b]
     assert (first[2].accepted_nodes, first[2].bonus_token) == verify_greedy(trees[2], rows[2].argmax(-1))
     assert first[3] == VerifyResult([], [], first[3].bonus_token, [])
     for tree, result in zip(trees, first):

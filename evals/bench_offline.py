@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct), greedy, EOS ignored, prompts of exactly --prompt-len tok
 
 Every config runs in this one process and the configs are interleaved rep by rep, in a rotating
 order (the machine is shared and noisy); medians over reps are reported.
-  batch 1: TTFT (prefill + first token), decode tok/s = (out - 1) / (t_last - t_first token),
-           end-to-end tok/s = out / t_total
-  batch N: aggregate output tok/s = N * out / t_total (prefill included)
+  tok/s (end-to-end, prefill included) = N * out / t_total
+  TTFT    = time until every request of the batch has its first token (batch 1: the usual TTFT)
+  decode tok/s (prefill excluded) = N * (out - 1) / (t_total - TTFT)
 
   python evals/bench_offline.py           # full run -> evals/results/offline.json
   python evals/bench_offline.py --quick   # smoke run (short prompts, 1 rep) -> offline_quick.json
@@ -43,25 +43,27 @@ class SpecpdRunner:
         self._runs = 0
 
     def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, float, list[list[int]]]:
-        """-> (t_total, t_first_token, output ids per prompt); times are from before the first add."""
+        """-> (t_total, t_every_first_token, output ids per prompt); times from before the first add."""
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         self._runs += 1
         ids = [f"bench-{self._runs}-{i}" for i in range(len(prompts))]
         done: dict[str, list[int]] = {}
+        started: set[str] = set()
         t_first = None
         t0 = time.perf_counter()
         for rid, prompt in zip(ids, prompts):
             self.engine.add_request(rid, prompt, params)
         while self.engine.has_unfinished_requests():
             outs = self.engine.step()
-            if t_first is None and any(o.new_token_ids for o in outs):
+            started.update(o.request_id for o in outs if o.new_token_ids)
+            if t_first is None and len(started) == len(ids):
                 t_first = time.perf_counter() - t0
             done.update((o.request_id, o.token_ids) for o in outs if o.finished)
         return time.perf_counter() - t0, t_first, [done[r] for r in ids]
 
 
 class _FirstTokenClock:
-    """HF streamer protocol: the first put() is the prompt, the second the first new token."""
+    """HF streamer protocol: the first put() is the prompts, the second the first new token of every row."""
 
     def __init__(self, t0: float):
         self.t0, self.puts, self.t_first = t0, 0, None
@@ -90,14 +92,14 @@ class HFRunner:
         self.attn_implementation = model.config._attn_implementation
 
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, float | None, list[list[int]]]:
+    def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, float, list[list[int]]]:
         input_ids = torch.tensor(prompts)  # equal lengths: no padding
         t0 = time.perf_counter()
-        clock = _FirstTokenClock(t0) if len(prompts) == 1 else None  # HF streamers are batch-1 only
+        clock = _FirstTokenClock(t0)
         out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=output_len,
                                   min_new_tokens=output_len, do_sample=False, pad_token_id=0, streamer=clock)
         t_total = time.perf_counter() - t0
-        return t_total, clock.t_first if clock else None, out[:, input_ids.shape[1]:].tolist()
+        return t_total, clock.t_first, out[:, input_ids.shape[1]:].tolist()
 
 
 def measure(runner, prompts, output_len: int) -> dict:
@@ -106,11 +108,8 @@ def measure(runner, prompts, output_len: int) -> dict:
     n_out = sum(len(o) for o in outputs)
     if n_out != len(prompts) * output_len:
         raise RuntimeError(f"{runner.engine_name}: {n_out} output tokens, expected {len(prompts) * output_len}")
-    row = {"loadavg_1m": load, "t_total_s": t_total, "tokens_per_s": n_out / t_total, "outputs": outputs}
-    if len(prompts) == 1:
-        row["ttft_s"] = t_first
-        row["decode_tokens_per_s"] = (output_len - 1) / (t_total - t_first) if output_len > 1 else None
-    return row
+    return {"loadavg_1m": load, "t_total_s": t_total, "tokens_per_s": n_out / t_total, "ttft_s": t_first,
+            "decode_tokens_per_s": len(prompts) * (output_len - 1) / (t_total - t_first), "outputs": outputs}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -163,27 +162,30 @@ def main() -> None:
             for engine, dtype in order:
                 row = measure(runners[(engine, dtype)], prompts[:b], args.output_len)
                 raw[(engine, dtype, b)].append(row)
-                log(f"rep {rep} batch {b:>3} {engine:>6} {dtype:>8}: {row['tokens_per_s']:8.1f} tok/s"
-                    + (f"  decode {row['decode_tokens_per_s']:7.1f} tok/s  ttft {row['ttft_s']:.3f}s" if b == 1 else ""))
+                log(f"rep {rep} batch {b:>3} {engine:>6} {dtype:>8}: {row['tokens_per_s']:7.1f} tok/s  "
+                    f"decode {row['decode_tokens_per_s']:7.1f} tok/s  ttft {row['ttft_s']:6.2f}s  "
+                    f"load {row['loadavg_1m']:.1f}")
     bench_s = time.perf_counter() - t_start
 
     results = []
     for (engine, dtype, b), rows in raw.items():
-        entry = {"engine": engine, "dtype": dtype, "batch_size": b, "reps": len(rows),
-                 "tokens_per_s": median([r["tokens_per_s"] for r in rows]),
-                 "tokens_per_s_all": [round(r["tokens_per_s"], 2) for r in rows],
-                 "loadavg_1m_all": [round(r["loadavg_1m"], 2) for r in rows]}
-        if b == 1:
-            entry["decode_tokens_per_s"] = median([r["decode_tokens_per_s"] for r in rows])
-            entry["decode_tokens_per_s_all"] = [round(r["decode_tokens_per_s"], 2) for r in rows]
-            entry["ttft_s"] = median([r["ttft_s"] for r in rows])
+        entry = {"engine": engine, "dtype": dtype, "batch_size": b, "reps": len(rows)}
+        for field in ("tokens_per_s", "decode_tokens_per_s", "ttft_s"):
+            entry[field] = median([r[field] for r in rows])
+            entry[field + "_all"] = [round(r[field], 3) for r in rows]
+        entry["loadavg_1m_all"] = [round(r["loadavg_1m"], 2) for r in rows]
         results.append(entry)
     by = {(r["engine"], r["dtype"], r["batch_size"]): r for r in results}
+
+    def paired(a: tuple, b: tuple, field: str) -> float:
+        """Median over reps of a/b within the same rep: robust to load that drifts between reps."""
+        return median([x[field] / y[field] for x, y in zip(raw[a], raw[b])])
 
     ratios, checks = {}, {}
     if 1 in args.batch_sizes and set(args.engines) == {"specpd", "hf"}:
         for d in args.dtypes:
             ratios[f"specpd_over_hf_b1_decode_{d}"] = by["specpd", d, 1]["decode_tokens_per_s"] / by["hf", d, 1]["decode_tokens_per_s"]
+            ratios[f"specpd_over_hf_b1_decode_{d}_paired"] = paired(("specpd", d, 1), ("hf", d, 1), "decode_tokens_per_s")
             a, h = raw["specpd", d, 1][0]["outputs"][0], raw["hf", d, 1][0]["outputs"][0]
             checks[f"b1_greedy_common_prefix_{d}"] = f"{common_prefix(a, h)}/{args.output_len}"
         best = {e: max(args.dtypes, key=lambda d: by[e, d, 1]["decode_tokens_per_s"]) for e in ("specpd", "hf")}
@@ -193,9 +195,12 @@ def main() -> None:
     for b in (b for b in args.batch_sizes if b > 1):
         for d in args.dtypes:
             if "specpd" in args.engines and 1 in args.batch_sizes:
-                ratios[f"specpd_b{b}_over_b1_e2e_{d}"] = by["specpd", d, b]["tokens_per_s"] / by["specpd", d, 1]["tokens_per_s"]
+                for field, tag in (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode")):
+                    ratios[f"specpd_b{b}_over_b1_{tag}_{d}"] = by["specpd", d, b][field] / by["specpd", d, 1][field]
             if set(args.engines) == {"specpd", "hf"}:
-                ratios[f"specpd_over_hf_b{b}_{d}"] = by["specpd", d, b]["tokens_per_s"] / by["hf", d, b]["tokens_per_s"]
+                for field, tag in (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode")):
+                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}"] = by["specpd", d, b][field] / by["hf", d, b][field]
+                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}_paired"] = paired(("specpd", d, b), ("hf", d, b), field)
 
     spec_cfg = next((r.config.to_dict() for r in runners.values() if isinstance(r, SpecpdRunner)), None)
     hf_attn = next((r.attn_implementation for r in runners.values() if isinstance(r, HFRunner)), None)
@@ -214,12 +219,11 @@ def main() -> None:
 
 
 def print_table(results: list[dict], ratios: dict, checks: dict) -> None:
-    print("| engine | dtype | batch | tok/s (e2e/aggregate) | b1 decode tok/s | b1 TTFT s |")
+    print("| engine | dtype | batch | end-to-end tok/s | decode tok/s | TTFT s |")
     print("|---|---|---|---|---|---|")
     for r in sorted(results, key=lambda r: (r["batch_size"], r["dtype"], r["engine"])):
-        dec = f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else ""
-        ttft = f"{r['ttft_s']:.3f}" if "ttft_s" in r else ""
-        print(f"| {r['engine']} | {r['dtype']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {dec} | {ttft} |")
+        print(f"| {r['engine']} | {r['dtype']} | {r['batch_size']} | {r['tokens_per_s']:.1f} "
+              f"| {r['decode_tokens_per_s']:.1f} | {r['ttft_s']:.2f} |")
     for k, v in {**ratios, **checks}.items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
 

@@ -13,12 +13,14 @@ class AttentionMetadata:
 
     Query j (0-based) of sequence b sits at KV position kv_lens[b] - q_lens[b] + j. The new tokens'
     K/V are written (at write_pages/write_offsets) before attention runs. Every query attends to the
-    whole prefix, positions < kv_len - q_len; among the new tokens it attends:
-    - causally (new tokens 0..j), when sequence b carries no tree mask;
-    - to new token i iff tree_b[j, i], when it does (tree verify). tree_b is the [q_len_b, q_len_b]
-      bool block tree_mask[tree_mask_indptr[b]:tree_mask_indptr[b + 1]].view(q_len_b, q_len_b),
-      row-major, row = query, column = new token; for a draft tree it is the ancestor-or-self
-      relation, so the diagonal is always True. A lower-triangular block is exactly causal.
+    whole prefix; then
+    - without a tree mask: the new tokens causally (new tokens 0..j);
+    - with one: tree_b = tree_mask[tree_mask_indptr[b]:tree_mask_indptr[b + 1]].view(q_len_b, width_b)
+      (row-major, row = query, width_b >= q_len_b) covers the last width_b KV positions, and query j
+      sees position kv_len - width_b + i iff tree_b[j, i]; everything before them is visible.
+      Tree verify uses width == q_len (the ancestor-or-self relation of the tree's nodes, diagonal
+      True; a lower-triangular block is exactly causal). Tree drafting uses a wider block: a draft
+      step's queries also see the scratch slots of their ancestors from earlier steps.
     A tree's nodes occupy consecutive scratch slots after the committed prefix, in any order.
     """
 
@@ -32,7 +34,7 @@ class AttentionMetadata:
     page_size: int
     # None when no sequence has a tree. Otherwise the per-sequence blocks flattened row-major and
     # concatenated in batch order; a sequence without a tree has an empty block (causal).
-    tree_mask: torch.Tensor | None = None  # [sum over tree sequences of q_len_b ** 2] bool
+    tree_mask: torch.Tensor | None = None  # [sum over tree sequences of q_len_b * width_b] bool
     tree_mask_indptr: torch.Tensor | None = None  # [batch + 1] int32, offsets of each block in tree_mask
     plan: Any = None  # backend-specific state from AttentionBackend.plan
 
@@ -58,8 +60,8 @@ class AttentionMetadata:
               tree_masks: list[torch.Tensor | None] | None = None) -> "AttentionMetadata":
         """Host-side construction from plain lists (what the scheduler knows).
 
-        tree_masks: one entry per sequence, None (causal) or a [q_len_b, q_len_b] bool tensor whose
-        [j, i] says whether new token j attends to new token i (see the class docstring).
+        tree_masks: one entry per sequence, None (causal) or a [q_len_b, width_b >= q_len_b] bool
+        tensor over the last width_b KV positions (see the class docstring).
         """
         indptr = [0]
         for q in q_lens:
@@ -100,12 +102,12 @@ def _flatten_tree_masks(tree_masks: list[torch.Tensor | None] | None, q_lens: li
     indptr = [0]
     for b, (mask, q_len) in enumerate(zip(tree_masks, q_lens)):
         if mask is not None:
-            if mask.dtype != torch.bool or tuple(mask.shape) != (q_len, q_len):
-                raise ValueError(f"tree_masks[{b}] must be a [{q_len}, {q_len}] bool tensor (q_len of "
+            if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != q_len or mask.shape[1] < q_len:
+                raise ValueError(f"tree_masks[{b}] must be a [{q_len}, width >= {q_len}] bool tensor (q_len of "
                                  f"sequence {b}); got {mask.dtype} {tuple(mask.shape)}")
-            if not bool(mask.diagonal().all()):
+            if not bool(mask[:, mask.shape[1] - q_len:].diagonal().all()):
                 raise ValueError(f"tree_masks[{b}] has a False diagonal entry: every tree node attends to itself")
             blocks.append(mask.reshape(-1).to("cpu"))
-        indptr.append(indptr[-1] + (q_len * q_len if mask is not None else 0))
+        indptr.append(indptr[-1] + (mask.numel() if mask is not None else 0))
     return (torch.cat(blocks).to(device),
             torch.tensor(indptr, dtype=torch.int32, device=device))

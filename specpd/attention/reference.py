@@ -38,10 +38,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale  # [Hq, q_len, kv_len]
         visible = torch.ones(q_len, kv_len, dtype=torch.bool)  # [q_len, kv_len]; the prefix stays True
         if tree_indptr is not None and tree_indptr[b + 1] > tree_indptr[b]:
-            tree = tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, q_len)
+            tree = tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, -1)  # [q_len, width]
         else:
             tree = torch.ones(q_len, q_len, dtype=torch.bool).tril()
-        visible[:, kv_len - q_len:] = tree.cpu()
+        visible[:, kv_len - tree.shape[1]:] = tree.cpu()
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -30,7 +30,9 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         page_size = meta.page_size
         indptr = meta.qo_indptr.tolist()
-        decode_seqs = [b for b, q in enumerate(meta.q_lens_host) if q == 1]
+        tree_indptr = meta.tree_mask_indptr.tolist() if meta.tree_mask is not None else None
+        has_tree = [tree_indptr is not None and tree_indptr[b + 1] > tree_indptr[b] for b in range(meta.batch_size)]
+        decode_seqs = [b for b, q in enumerate(meta.q_lens_host) if q == 1 and not has_tree[b]]
         decode_rows = decode_pages = decode_mask = None
         if decode_seqs:
             idx = torch.tensor(decode_seqs)
@@ -41,16 +43,15 @@ class TorchAttentionBackend(AttentionBackend):
             kv = meta.kv_lens[idx].long().unsqueeze(1)
             decode_mask = (torch.arange(n_pages * page_size).unsqueeze(0) < kv)[:, None, None, :]
         extends = []
-        tree_indptr = meta.tree_mask_indptr.tolist() if meta.tree_mask is not None else None
         for b, q_len in enumerate(meta.q_lens_host):
-            if q_len <= 1:
+            if q_len == 0 or (q_len == 1 and not has_tree[b]):
                 continue
             kv_len = meta.kv_lens_host[b]
             n_pages = (kv_len + page_size - 1) // page_size
             mask = None
-            if tree_indptr is not None and tree_indptr[b + 1] > tree_indptr[b]:
-                tree = meta.tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, q_len)
-                prefix = torch.ones(q_len, kv_len - q_len, dtype=torch.bool, device=tree.device)
+            if has_tree[b]:
+                tree = meta.tree_mask[tree_indptr[b]:tree_indptr[b + 1]].view(q_len, -1)  # [q_len, width]
+                prefix = torch.ones(q_len, kv_len - tree.shape[1], dtype=torch.bool, device=tree.device)
                 mask = torch.cat([prefix, tree], dim=1)  # [q_len, kv_len]
             elif kv_len != q_len:
                 q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)

@@ -7,10 +7,13 @@ Conventions (same as the reference and `AttentionMetadata`):
   qo_indptr[b]:qo_indptr[b+1]. Query j of sequence b sits at position kv_len - q_len + j and sees
   KV positions <= its own (causal with a prefix offset). The KV of this step's tokens is already in
   the cache when these kernels run.
-- Tree verify (extend only): tree_mask [total] bool holds, for each sequence b with
-  tree_mask_indptr[b+1] > tree_mask_indptr[b], a row-major [q_len, q_len] block; query j then sees
-  the whole prefix and new token i iff block[j, i]. Sequences with an empty block stay causal. Without
-  a mask the kernel is compiled with TREE=False and the causal path is unchanged.
+- Tree masks (extend only): tree_mask [total] bool holds, for each sequence b with
+  tree_mask_indptr[b+1] > tree_mask_indptr[b], a row-major [q_len, width] block (width >= q_len,
+  width = block size / q_len) over the last `width` KV positions; query j sees every position before
+  them and position kv_len - width + i iff block[j, i]. Verify uses width == q_len (the tree's own
+  nodes); tree drafting uses a wider block to also see earlier draft steps' scratch slots. Sequences
+  with an empty block stay causal. Without a mask the kernel is compiled with TREE=False and the
+  causal path is unchanged.
 - k_cache / v_cache [num_pages, page_size, Hkv, D]: the per-layer views of the pool. They are
   strided (page stride = num_layers * 2 * page_size * Hkv * D), so the kernels take all four
   strides and never copy the cache. Position p of sequence b lives in page page_table[b, p // page_size],
@@ -79,8 +82,10 @@ def _extend_kernel(
     kv_end = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
     if TREE:
         tree_start = tl.load(TreeMaskIndptr + seq)
-        tree_size = tl.load(TreeMaskIndptr + seq + 1) - tree_start  # q_len ** 2, or 0 for a causal sequence
+        tree_size = tl.load(TreeMaskIndptr + seq + 1) - tree_start  # q_len * width, or 0 for a causal sequence
         has_tree = tree_size > 0
+        tree_width = tree_size // tl.maximum(q_len, 1)
+        tree_base = kv_len - tree_width  # first KV position the block covers
         # a tree row may see any new token, also ones after its own (nodes need not be topologically ordered)
         kv_end = tl.where(has_tree, kv_len, kv_end)
     for start_n in range(0, kv_end, BLOCK_N):
@@ -96,8 +101,8 @@ def _extend_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
         visible = k_pos[None, :] <= q_pos[:, None]  # [BLOCK_M, BLOCK_N]
         if TREE:
-            node = k_pos - prefix  # [BLOCK_N] new-token index of each key, < 0 in the prefix
-            entry = offs_m[:, None] * q_len + node[None, :]  # [BLOCK_M, BLOCK_N] index into the block
+            node = k_pos - tree_base  # [BLOCK_N] column of each key in the block, < 0 before it
+            entry = offs_m[:, None] * tree_width + node[None, :]  # [BLOCK_M, BLOCK_N] index into the block
             in_block = m_mask[:, None] & (node[None, :] >= 0) & n_mask[None, :] & (entry < tree_size)
             tree_bits = tl.load(TreeMask + tree_start + entry, mask=in_block, other=0) != 0
             visible = tl.where(has_tree, (node[None, :] < 0) | tree_bits, visible)

@@ -28,7 +28,8 @@ logger = logging.getLogger("specpd")
 ROLES = ("unified",)  # prefill / decode / router come with disaggregation
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
             "attention_backend": ("torch", "triton", "flashinfer"),
-            "device": ("cpu", "cuda")}
+            "device": ("cpu", "cuda"),
+            "speculative_algorithm": ("none", "eagle", "eagle3", "mtp", "replay")}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
          "seed": "engine seed (generate: also the request's sampling seed)",
          "max_model_len": "context length (default: the model's)",
@@ -173,6 +174,8 @@ def generate(args: argparse.Namespace) -> int:
         "model": engine.model_name, "text": final.text, "token_ids": final.token_ids,
         "finish_reason": final.finish_reason, "prompt_tokens": len(prompt_ids), "completion_tokens": n,
         "ttft_s": ttft, "e2e_s": end - start, "tokens_per_s": tokens_per_s, "load_s": load_s,
+        "spec_verify_count": final.spec_verify_count, "spec_accepted_tokens": final.spec_accepted_tokens,
+        "spec_accept_length": final.spec_accept_length,
         "stats": engine.stats(),
     }, default=str))
     return 0

@@ -20,6 +20,43 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+class _SpecCollector:
+    """Speculative decoding counters from the engine's stats snapshot: an acceptance-length
+    histogram (tokens committed per verify forward, bonus included) and per-position acceptance."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        st = self._stats()
+        hist = st.get("spec_accept_length_hist")
+        if not hist:
+            return
+        buckets, total = [], 0
+        for length, count in enumerate(hist):
+            if length == 0:
+                continue
+            total += count
+            buckets.append((str(float(length)), total))
+        buckets.append(("+Inf", total))
+        committed = sum(length * count for length, count in enumerate(hist))
+        h = HistogramMetricFamily("specpd:spec_accept_length", "Tokens committed per verify forward (bonus included).",
+                                  labels=["model_name"])
+        h.add_metric([self._model], buckets, committed)
+        yield h
+        pos = CounterMetricFamily("specpd:spec_accepted_tokens_per_position",
+                                  "Accepted draft tokens by draft depth (1 = first proposed token).",
+                                  labels=["model_name", "position"])
+        for depth, count in enumerate(st.get("spec_accepted_per_position", []), start=1):
+            pos.add_metric([self._model, str(depth)], count)
+        yield pos
+        verify = CounterMetricFamily("specpd:spec_verify", "Verify forwards.", labels=["model_name"])
+        verify.add_metric([self._model], st.get("spec_verify_count", 0))
+        yield verify
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
         self.registry = CollectorRegistry()
@@ -51,6 +88,7 @@ class ServerMetrics:
                 ("specpd:kv_pages_total", "total_pages", "Total KV cache pages.")):
             gauge = Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
             gauge.set_function(lambda key=key: float(stats().get(key, 0)))
+        r.register(_SpecCollector(stats, model_name))
         self._model_name = model_name
 
     def observe_first_token(self, ttft_s: float) -> None:

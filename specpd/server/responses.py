@@ -30,9 +30,13 @@ def error_body(message: str, param: str | None, code: int,
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+def usage(out: RequestOutput) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+    if out.spec_verify_count:
+        body.update(spec_verify_count=out.spec_verify_count, spec_accepted_tokens=out.spec_accepted_tokens,
+                    spec_accept_length=out.spec_accept_length)
+    return body
 
 
 def _logprob(value: float) -> float:

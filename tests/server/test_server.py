@@ -3,68 +3,22 @@
 After every test the KV pool must be back to its baseline free-page count (no leaked pages).
 """
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import httpx
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.server.launcher import launch_server
+
 MAX_MODEL_LEN = 1024
-STARTUP_TIMEOUT_S = 300  # first use may download the model; CPUs may be shared
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="specpd-serve-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "specpd", "serve", "--model", "default", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-mb", "64", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{_tail(log.name)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{_tail(log.name)}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        with httpx.Client(base_url=base, timeout=120) as client:
-            info = client.get("/server_info").json()
-            yield {"proc": proc, "client": client, "base": base, "model": info["model"],
-                   "total_pages": info["total_pages"], "log": log.name}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
-
-
-def _tail(path: str, n: int = 4000) -> str:
-    with open(path) as f:
-        return f.read()[-n:]
+    with launch_server(["--model", "default", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--kv-cache-memory-mb", "64", "--log-level", "warning"]) as srv:
+        yield srv
 
 
 @pytest.fixture

@@ -1,0 +1,62 @@
+"""Start a real `specpd serve` subprocess for tests and stop it afterwards."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STARTUP_TIMEOUT_S = 300  # first use may download the model; CPUs may be shared
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_server(extra_args: list[str]):
+    """Yields {"proc", "client", "base", "model", "total_pages", "log"} once /health answers."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="specpd-serve-", suffix=".log", delete=False)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), *extra_args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{tail(log.name)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{tail(log.name)}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        with httpx.Client(base_url=base, timeout=120) as client:
+            info = client.get("/server_info").json()
+            yield {"proc": proc, "client": client, "base": base, "model": info["model"],
+                   "total_pages": info["total_pages"], "log": log.name}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+def tail(path: str, n: int = 4000) -> str:
+    with open(path) as f:
+        return f.read()[-n:]

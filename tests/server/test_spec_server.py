@@ -1,0 +1,73 @@
+"""The server with speculative decoding: usage carries acceptance, /metrics exports it, output is lossless."""
+import json
+
+import pytest
+
+from specpd.config import CacheConfig, EngineConfig, ModelConfig
+from specpd.core import SamplingParams
+from specpd.draft.loader import random_draft_checkpoint
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model.loader import load_checkpoint
+from tests.server.launcher import launch_server
+
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("default")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    draft_dir = tmp_path_factory.mktemp("draft")
+    random_draft_checkpoint(str(draft_dir), "eagle", ModelConfig.from_hf(checkpoint.hf_config), seed=0)
+    with launch_server(["--model", "default", "--max-model-len", "1024", "--kv-cache-memory-mb", "64",
+                        "--speculative-algorithm", "eagle", "--draft-model", str(draft_dir),
+                        "--spec-num-steps", "3", "--spec-topk", "2", "--spec-num-draft-tokens", "5",
+                        "--log-level", "warning"]) as srv:
+        yield srv
+
+
+def test_greedy_is_lossless_and_usage_reports_acceptance(server, checkpoint):
+    client = server["client"]
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                "ignore_eos": True}).json()
+    usage = body["usage"]
+    assert usage["spec_verify_count"] >= 1
+    assert usage["spec_accept_length"] >= 1.0
+    assert usage["spec_accepted_tokens"] >= 0
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=32)), checkpoint=checkpoint)
+    ref = engine.generate([checkpoint.tokenizer.encode(PROMPT)],
+                          SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert body["choices"][0]["text"] == ref.text
+
+
+def test_metrics_and_server_info_export_acceptance(server):
+    client = server["client"]
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    metrics = client.get("/metrics").text
+    assert "specpd:spec_accept_length_bucket" in metrics
+    assert "specpd:spec_accepted_tokens_per_position" in metrics
+    info = client.get("/server_info").json()
+    assert info["spec_verify_count"] >= 1
+    assert info["free_pages"] == info["total_pages"]
+
+
+def test_streaming_with_speculation(server):
+    client = server["client"]
+    text, usage = "", None
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8,
+                                                        "seed": 5, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    assert usage["completion_tokens"] >= 1 and usage["spec_verify_count"] >= 1 and text
+    info = client.get("/server_info").json()
+    assert info["free_pages"] == info["total_pages"]

@@ -8,13 +8,14 @@ order (the machine is shared and noisy); medians over reps are reported.
   decode tok/s (prefill excluded) = N * (out - 1) / (t_total - TTFT)
 
   python evals/bench_offline.py           # full run -> evals/results/offline.json
-  python evals/bench_offline.py --quick   # smoke run (short prompts, 1 rep) -> offline_quick.json
+  python evals/bench_offline.py --quick   # smoke run (short prompts, 1 rep) -> $TMPDIR, not results/
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -128,14 +129,16 @@ def main() -> None:
                     help="torch.set_num_threads (default: torch's own, = usable cores). On a shared machine "
                          "2 OpenMP threads on 2 busy cores stall at every barrier: use 1 there")
     ap.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 64/8 tokens, 1 rep")
-    ap.add_argument("--out", default=None, help="JSON path (default evals/results/offline[_quick].json)")
+    ap.add_argument("--out", default=None, help="JSON path (default evals/results/offline.json)")
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.prompt_len, args.output_len, args.reps = [1, 2], 64, 8, 1
-    out_path = args.out or os.path.join(RESULTS_DIR, "offline_quick.json" if args.quick else "offline.json")
+    out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_offline_quick.json") if args.quick
+                            else os.path.join(RESULTS_DIR, "offline.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
     log(f"torch threads: {torch.get_num_threads()} (interop {torch.get_num_interop_threads()})")
+    machine, code_versions = machine_info(), versions()
 
     ckpt = load_checkpoint("default")
     max_batch = max(args.batch_sizes)
@@ -167,6 +170,27 @@ def main() -> None:
                     f"load {row['loadavg_1m']:.1f}")
     bench_s = time.perf_counter() - t_start
 
+    results = summarize(raw)
+    ratios, checks = compare(raw, results, args)
+
+    spec_cfg = next(({k: v for k, v in r.config.to_dict().items() if k != "dtype"}  # dtype varies per row
+                     for r in runners.values() if isinstance(r, SpecpdRunner)), None)
+    hf_attn = next((r.attn_implementation for r in runners.values() if isinstance(r, HFRunner)), None)
+    report = {
+        "benchmark": "offline", "model": "SmolLM2-135M-Instruct (default, Q4_1 GGUF dequantized)",
+        "prompt_source": prompt_source, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "batch_sizes": args.batch_sizes, "reps": args.reps, "quick": args.quick,
+        "sampling": "greedy, ignore_eos", "bench_wall_s": round(bench_s, 1),
+        "machine": machine, "versions": code_versions,
+        "specpd_engine_config": spec_cfg, "hf_attn_implementation": hf_attn,
+        "results": results, "ratios": ratios, "checks": checks,
+    }
+    write_json(out_path, report)
+    print_table(results, ratios, checks)
+    log(f"wrote {out_path}")
+
+
+def summarize(raw: dict[tuple, list[dict]]) -> list[dict]:
     results = []
     for (engine, dtype, b), rows in raw.items():
         entry = {"engine": engine, "dtype": dtype, "batch_size": b, "reps": len(rows)}
@@ -175,17 +199,25 @@ def main() -> None:
             entry[field + "_all"] = [round(r[field], 3) for r in rows]
         entry["loadavg_1m_all"] = [round(r["loadavg_1m"], 2) for r in rows]
         results.append(entry)
-    by = {(r["engine"], r["dtype"], r["batch_size"]): r for r in results}
+    return results
 
-    def paired(a: tuple, b: tuple, field: str) -> float:
-        """Median over reps of a/b within the same rep: robust to load that drifts between reps."""
-        return median([x[field] / y[field] for x, y in zip(raw[a], raw[b])])
+
+def compare(raw: dict[tuple, list[dict]], results: list[dict], args) -> tuple[dict, dict]:
+    """Ratios of medians, plus `_paired`: the median over reps of the ratio within one rep (robust to
+    load drifting between reps). Checks: greedy agreement of specpd with HF on the batch-1 prompt."""
+    by = {(r["engine"], r["dtype"], r["batch_size"]): r for r in results}
+    both = set(args.engines) == {"specpd", "hf"}
+    fields = (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode"))
+
+    def paired(d: str, b: int, field: str) -> float:
+        return median([x[field] / y[field] for x, y in zip(raw["specpd", d, b], raw["hf", d, b])])
 
     ratios, checks = {}, {}
-    if 1 in args.batch_sizes and set(args.engines) == {"specpd", "hf"}:
+    if both and 1 in args.batch_sizes:
         for d in args.dtypes:
-            ratios[f"specpd_over_hf_b1_decode_{d}"] = by["specpd", d, 1]["decode_tokens_per_s"] / by["hf", d, 1]["decode_tokens_per_s"]
-            ratios[f"specpd_over_hf_b1_decode_{d}_paired"] = paired(("specpd", d, 1), ("hf", d, 1), "decode_tokens_per_s")
+            ratios[f"specpd_over_hf_b1_decode_{d}"] = (by["specpd", d, 1]["decode_tokens_per_s"]
+                                                       / by["hf", d, 1]["decode_tokens_per_s"])
+            ratios[f"specpd_over_hf_b1_decode_{d}_paired"] = paired(d, 1, "decode_tokens_per_s")
             a, h = raw["specpd", d, 1][0]["outputs"][0], raw["hf", d, 1][0]["outputs"][0]
             checks[f"b1_greedy_common_prefix_{d}"] = f"{common_prefix(a, h)}/{args.output_len}"
         best = {e: max(args.dtypes, key=lambda d: by[e, d, 1]["decode_tokens_per_s"]) for e in ("specpd", "hf")}
@@ -194,28 +226,13 @@ def main() -> None:
         ratios["best_dtypes_b1_decode"] = best
     for b in (b for b in args.batch_sizes if b > 1):
         for d in args.dtypes:
-            if "specpd" in args.engines and 1 in args.batch_sizes:
-                for field, tag in (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode")):
+            for field, tag in fields:
+                if "specpd" in args.engines and 1 in args.batch_sizes:
                     ratios[f"specpd_b{b}_over_b1_{tag}_{d}"] = by["specpd", d, b][field] / by["specpd", d, 1][field]
-            if set(args.engines) == {"specpd", "hf"}:
-                for field, tag in (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode")):
+                if both:
                     ratios[f"specpd_over_hf_b{b}_{tag}_{d}"] = by["specpd", d, b][field] / by["hf", d, b][field]
-                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}_paired"] = paired(("specpd", d, b), ("hf", d, b), field)
-
-    spec_cfg = next((r.config.to_dict() for r in runners.values() if isinstance(r, SpecpdRunner)), None)
-    hf_attn = next((r.attn_implementation for r in runners.values() if isinstance(r, HFRunner)), None)
-    report = {
-        "benchmark": "offline", "model": "SmolLM2-135M-Instruct (default, Q4_1 GGUF dequantized)",
-        "prompt_source": prompt_source, "prompt_len": args.prompt_len, "output_len": args.output_len,
-        "batch_sizes": args.batch_sizes, "reps": args.reps, "quick": args.quick,
-        "sampling": "greedy, ignore_eos", "bench_wall_s": round(bench_s, 1),
-        "machine": machine_info(), "versions": versions(),
-        "specpd_engine_config": spec_cfg, "hf_attn_implementation": hf_attn,
-        "results": results, "ratios": ratios, "checks": checks,
-    }
-    write_json(out_path, report)
-    print_table(results, ratios, checks)
-    log(f"wrote {out_path}")
+                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}_paired"] = paired(d, b, field)
+    return ratios, checks
 
 
 def print_table(results: list[dict], ratios: dict, checks: dict) -> None:

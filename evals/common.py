@@ -51,14 +51,15 @@ def versions() -> dict:
     def git(*args: str) -> str | None:
         try:
             return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+                                  check=True).stdout.rstrip()
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    # call before measuring: it describes the code the process imported, not a later working tree
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "specpd")
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "specpd_commit": git("rev-parse", "HEAD"),
-            "specpd_dirty": bool(dirty) if dirty is not None else None}
+            "specpd_uncommitted_files": [line[3:] for line in dirty.splitlines()] if dirty is not None else None}
 
 
 def iter_sharegpt(chunk_bytes: int = 1 << 20) -> Iterator[dict]:

@@ -29,22 +29,18 @@ class Scheduler:
         self.page_size = page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._unfinished: dict[str, Request] = {}  # request id -> request, waiting or running
 
     # -- queue management ------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._unfinished[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Request | None:
-        for req in self.running:
-            if req.request_id == request_id:
-                return req
-        for req in self.waiting:
-            if req.request_id == request_id:
-                return req
-        return None
+        return self._unfinished.get(request_id)
 
     def finish(self, request: Request, reason: str) -> None:
         if request in self.running:
@@ -52,6 +48,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
+        self._unfinished.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 

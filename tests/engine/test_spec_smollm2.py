@@ -1,0 +1,72 @@
+"""Speculation on SmolLM2-135M (the default model): every draft family is lossless in a ragged batch,
+and logprobs come out of the verify logits equal to non-speculative ones."""
+import pytest
+
+from specpd.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.draft.loader import random_draft_checkpoint
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model.loader import load_checkpoint
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three prime numbers."]
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+NUM_PAGES = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("default")
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    tok = checkpoint.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)),
+                       checkpoint=checkpoint)
+    return engine.generate(prompts, PARAMS)
+
+
+@pytest.mark.parametrize("algorithm,topk,num_tokens", [("eagle", 1, None), ("eagle3", 2, 6), ("mtp", 1, None)])
+def test_smollm2_spec_is_lossless(checkpoint, prompts, reference, tmp_path, algorithm, topk, num_tokens):
+    random_draft_checkpoint(str(tmp_path), algorithm, ModelConfig.from_hf(checkpoint.hf_config), seed=0)
+    spec = SpecConfig(algorithm, draft_model=str(tmp_path), spec_num_steps=3, spec_topk=topk,
+                      spec_num_draft_tokens=num_tokens)
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES),
+                                    spec=spec), checkpoint=checkpoint)
+    outs = engine.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert engine.free_pages == NUM_PAGES
+
+
+def collect_logprobs(engine, prompts, references=None):
+    """Step the engine, gathering every request's per-token logprobs in order."""
+    ids = [f"lp{i}" for i in range(len(prompts))]
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        if references is not None:
+            engine.spec_runner.proposer.references[rid] = references[i]
+        engine.add_request(rid, prompt, PARAMS)
+    logprobs = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id].extend(out.new_logprobs or [])
+    return [logprobs[rid] for rid in ids]
+
+
+def test_logprobs_with_speculation_come_from_verify_logits(checkpoint, prompts, reference):
+    cache = CacheConfig(page_size=16, num_pages=NUM_PAGES)
+    plain = collect_logprobs(LLMEngine(EngineConfig(model="default", cache=cache), checkpoint=checkpoint), prompts)
+    spec_engine = LLMEngine(EngineConfig(model="default", cache=cache, spec=SpecConfig("replay", spec_num_steps=4)),
+                            checkpoint=checkpoint)
+    spec = collect_logprobs(spec_engine, prompts, [r.token_ids for r in reference])
+    assert spec_engine.spec_stats.accepted_tokens > 0
+    for got, want, ref in zip(spec, plain, reference):
+        assert [lp.token_id for lp in got] == [lp.token_id for lp in want] == ref.token_ids
+        for a, b in zip(got, want):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))

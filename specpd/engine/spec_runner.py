@@ -21,7 +21,7 @@ import torch
 from specpd.attention.metadata import AttentionMetadata
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.draft.proposer import DraftExtend, Proposer
-from specpd.kernels.kv_compact import compact_kv_ref, path_slot_moves
+from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
 from specpd.verify.greedy import verify_greedy
@@ -138,7 +138,9 @@ class SpecRunner:
         tokens = [int(tree.tokens[n]) for n in path] + [bonus]
         moves = path_slot_moves(req.pages, it.start, nodes, runner.kv_pool.page_size)
         if moves[0]:  # a tree path off the first branch: move its KV next to the root
-            compact_kv_ref(runner.kv_pool.buffer, *(torch.tensor(m) for m in moves))
+            buffer = runner.kv_pool.buffer
+            compact = compact_kv if buffer.is_cuda else compact_kv_ref  # Triton on GPU, torch on CPU
+            compact(buffer, *(torch.tensor(m, device=buffer.device) for m in moves))
         logprobs = [None] * len(tokens)
         if want_logprobs:
             logprobs = compute_logprobs(raw[nodes], tokens, [self._row(it, [], suppress)] * len(nodes))

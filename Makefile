@@ -13,10 +13,11 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml specpd/disagg/transfer/install_ibverbs.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -r requirements.txt
+	sh specpd/disagg/transfer/install_ibverbs.sh $(VENV)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/python -m specpd.model.default
 	touch $@

@@ -1,0 +1,298 @@
+"""Control-plane messages between a prefill server (P) and a decode server (D), and their one codec.
+
+One request's handoff, keyed by `bootstrap_room` (the router draws it and sends it to both sides):
+
+1. D -> P `DecodeRegister`: room, D's control endpoint, D's `PeerConfig`. P runs `check_compatible` and
+   answers a mismatch with `TransferFailed` naming both values; D refuses a mismatched P the same way
+   from P's config (bootstrap `/route`).
+2. D -> P `KVDestination`: room, D's transfer session, the layout of D's page pools, the destination page
+   ids (D allocated them in its prealloc queue). P's sender is now WaitingForInput -> Transferring.
+3. P writes the prompt's KV pages (target, and draft pools in draft-on-both mode) through the transfer
+   backend (data plane, `specpd.disagg.transfer`), one descriptor per page.
+4. P -> D `HandoffRecord`: y0 and everything D needs to run its first forward (DESIGN.md §2). P may send
+   it as soon as y0 is sampled, before the KV writes finish.
+5. P -> D `TransferDone` once every page write completed (or `TransferFailed` with the reason). D's receiver
+   reaches Success only when it holds both 4 and 5. P frees its own pages after sending 5.
+6. Abort: D -> P `Abort` (client gone, timeout). P stops issuing writes for the room and answers `AbortAck`
+   once no write into D's pages is in flight; only then does D free the destination pages (or after a hard
+   timeout if P is dead). P -> D `Abort` means P dropped the request and has no write in flight.
+7. `Heartbeat` both ways on a fixed interval; missing ones mark the peer dead and fail its rooms.
+
+Wire format (ZMQ multipart): frame 0 is a JSON header `{"v": 1, "type": <class name>, "body": {...}}`,
+frames 1.. are the raw bytes of the tensors the body refers to as `{"__tensor__": i, "dtype", "shape"}`.
+Nested dataclasses are `{"__dataclass__": name, "fields": {...}}`; tuples `{"__tuple__": [...]}`.
+No pickle: a peer can only make us build the dataclasses registered below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from specpd.core import SamplingParams
+
+PROTOCOL_VERSION = 1
+DRAFT_MODES = ("none", "both", "decode_only")  # where the draft extend over the prompt runs
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """What P and D must agree on. `draft_mode`: "both" (P runs the draft extend) | "decode_only" | "none"."""
+
+    model: str
+    draft_model: str | None
+    page_size: int
+    dtype: str  # KV / model dtype, e.g. "float32", "bfloat16"
+    spec_algorithm: str  # SpecConfig.speculative_algorithm
+    draft_mode: str = "none"
+
+
+class ConfigMismatch(ValueError):
+    """P and D disagree on a field of `PeerConfig`; the message names every differing field and both values."""
+
+
+def check_compatible(p_cfg: PeerConfig, d_cfg: PeerConfig) -> None:
+    diffs = [f"{f.name}: prefill={getattr(p_cfg, f.name)!r} decode={getattr(d_cfg, f.name)!r}"
+             for f in dataclasses.fields(PeerConfig) if getattr(p_cfg, f.name) != getattr(d_cfg, f.name)]
+    if diffs:
+        raise ConfigMismatch("prefill and decode servers are incompatible: " + "; ".join(diffs))
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """One registered page pool as a peer sees it: page i lives at `base_address + i * page_bytes`."""
+
+    base_address: int  # 0 for backends that address pages by pool index (tcp)
+    page_bytes: int
+    num_pages: int
+
+
+# ---------------------------------------------------------------------------------------------- messages
+
+
+@dataclass
+class DecodeRegister:
+    """D -> P, step 1."""
+
+    room: int
+    decode_endpoint: str  # D's control socket, e.g. "tcp://10.0.0.2:7100"
+    config: PeerConfig
+
+
+@dataclass
+class KVDestination:
+    """D -> P, step 2. `pools[j]` is D's pool j (0 = target KV, 1 = draft KV); one page id list moves all."""
+
+    room: int
+    transfer_session: str  # TransferBackend.session_id of D
+    pools: tuple[PoolLayout, ...]
+    dst_page_ids: list[int]  # len == ceil(prompt_len / page_size)
+
+
+@dataclass
+class HandoffRecord:
+    """P -> D, step 4: the DESIGN.md §2 contract. y0 (`handoff_token`) has no KV yet: D writes it first."""
+
+    room: int
+    request_id: str
+    prompt_len: int  # N; KV for positions 0..N-1 was transferred
+    handoff_token: int  # y0, sampled from the logits at N-1
+    handoff_logprob: float | None
+    sampling_params: SamplingParams  # seed included
+    draft_mode: str = "none"
+    top_logprob_ids: torch.Tensor | None = None  # [num_top] int64, when logprobs were asked for
+    top_logprobs: torch.Tensor | None = None  # [num_top] float32
+    # draft-on-both: P ran the draft extend over the prompt
+    draft_topk_ids: torch.Tensor | None = None  # [topk] int64, first-round proposal
+    draft_topk_probs: torch.Tensor | None = None  # [topk] float32
+    draft_hidden: torch.Tensor | None = None  # [H_draft] draft recurrent hidden at position N-1
+    # draft-on-decode-only: D runs the draft extend from these
+    target_hidden: torch.Tensor | None = None  # [N, H_in] (EAGLE-3: fused low/mid/high aux layers)
+
+    def validate(self) -> "HandoffRecord":
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        need = {"both": ("draft_topk_ids", "draft_topk_probs", "draft_hidden"),
+                "decode_only": ("target_hidden",), "none": ()}[self.draft_mode]
+        missing = [name for name in need if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"handoff record for room {self.room} in draft_mode={self.draft_mode!r} lacks {missing}")
+        if self.target_hidden is not None and self.target_hidden.shape[0] != self.prompt_len:
+            raise ValueError(f"target_hidden has {self.target_hidden.shape[0]} rows, prompt_len is {self.prompt_len}")
+        if (self.draft_topk_ids is None) != (self.draft_topk_probs is None):
+            raise ValueError("draft_topk_ids and draft_topk_probs come together")
+        return self
+
+
+@dataclass
+class TransferDone:
+    """P -> D, step 5: every KV page write for the room completed."""
+
+    room: int
+    num_pages: int
+    num_bytes: int
+
+
+@dataclass
+class TransferFailed:
+    """Either way: the room's handoff failed (config mismatch, transfer error, timeout)."""
+
+    room: int
+    reason: str
+
+
+@dataclass
+class Abort:
+    """D -> P: stop writing for `room` and AbortAck when drained. P -> D: P dropped the room, no write in flight."""
+
+    room: int
+    reason: str = ""
+
+
+@dataclass
+class AbortAck:
+    """P -> D: no write into D's pages for `room` is in flight any more; D may free them."""
+
+    room: int
+
+
+@dataclass
+class Heartbeat:
+    sender: str  # the sender's control endpoint
+    seq: int
+    timestamp: float = field(default=0.0)  # sender's time.time()
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    DecodeRegister, KVDestination, HandoffRecord, TransferDone, TransferFailed, Abort, AbortAck, Heartbeat)}
+_NESTED_TYPES: dict[str, type] = {cls.__name__: cls for cls in (PeerConfig, PoolLayout, SamplingParams)}
+_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+
+
+# ---------------------------------------------------------------------------------------------- codec
+
+
+class MessageError(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+def encode(msg: Any) -> list[bytes | memoryview]:
+    """Message dataclass -> ZMQ multipart frames (header + one frame per tensor, zero-copy where possible)."""
+    if type(msg).__name__ not in MESSAGE_TYPES or MESSAGE_TYPES[type(msg).__name__] is not type(msg):
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+    frames: list[bytes | memoryview] = []
+    body = {f.name: _encode_value(getattr(msg, f.name), frames) for f in dataclasses.fields(msg)}
+    header = json.dumps({"v": PROTOCOL_VERSION, "type": type(msg).__name__, "body": body}).encode()
+    return [header, *frames]
+
+
+def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
+    """Frames from `encode` (zmq.Frame, bytes or memoryview) -> a new message; tensors own their memory."""
+    if not frames:
+        raise MessageError("empty message")
+    try:
+        header = json.loads(bytes(_buffer(frames[0])))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MessageError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {header.get('v') if isinstance(header, dict) else None!r} "
+                           f"!= {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(header.get("type"))
+    if cls is None:
+        raise MessageError(f"unknown message type {header.get('type')!r}")
+    tensors = frames[1:]
+    body = {k: _decode_value(v, tensors) for k, v in header["body"].items()}
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise MessageError(f"bad {cls.__name__} fields: {e}") from None
+
+
+def _encode_value(value: Any, frames: list) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        frames.append(memoryview(raw.numpy()))
+        return {"__tensor__": len(frames) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        name = type(value).__name__
+        if _NESTED_TYPES.get(name) is not type(value):
+            raise TypeError(f"cannot encode nested dataclass {name}")
+        return {"__dataclass__": name,
+                "fields": {f.name: _encode_value(getattr(value, f.name), frames) for f in dataclasses.fields(value)}}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode_value(v, frames) for v in value]}
+    if isinstance(value, list):
+        return [_encode_value(v, frames) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("dict keys must be str")
+        return {k: _encode_value(v, frames) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def _decode_value(value: Any, tensors: Sequence[Any]) -> Any:
+    if isinstance(value, list):
+        return [_decode_value(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return _decode_tensor(value, tensors)
+    if "__tuple__" in value:
+        return tuple(_decode_value(v, tensors) for v in value["__tuple__"])
+    if "__dataclass__" in value:
+        cls = _NESTED_TYPES.get(value["__dataclass__"])
+        if cls is None:
+            raise MessageError(f"unknown nested type {value['__dataclass__']!r}")
+        try:
+            return cls(**{k: _decode_value(v, tensors) for k, v in value["fields"].items()})
+        except TypeError as e:
+            raise MessageError(f"bad {cls.__name__} fields: {e}") from None
+    return {k: _decode_value(v, tensors) for k, v in value.items()}
+
+
+def _decode_tensor(ref: dict, tensors: Sequence[Any]) -> torch.Tensor:
+    index, dtype_name, shape = ref["__tensor__"], ref["dtype"], ref["shape"]
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise MessageError(f"unsupported tensor dtype {dtype_name!r}")
+    if not isinstance(index, int) or not 0 <= index < len(tensors):
+        raise MessageError(f"tensor frame {index!r} missing ({len(tensors)} frames)")
+    raw = np.frombuffer(_buffer(tensors[index]), dtype=np.uint8)
+    numel = int(np.prod(shape)) if shape else 1
+    if raw.size != numel * torch.empty((), dtype=dtype).element_size():
+        raise MessageError(f"tensor frame {index} has {raw.size} bytes, {dtype_name}{shape} needs "
+                           f"{numel * torch.empty((), dtype=dtype).element_size()}")
+    out = torch.empty(raw.size, dtype=torch.uint8)
+    if raw.size:
+        out.numpy()[:] = raw  # copy: the frame's memory belongs to zmq
+    return out.view(dtype).reshape(shape)
+
+
+def _buffer(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+# ---------------------------------------------------------------------------------------------- sockets
+
+
+def send_message(sock, msg: Any, identity: bytes | None = None, flags: int = 0) -> None:
+    """Send on a zmq socket; `identity` prefixes the ROUTER routing frame."""
+    frames = encode(msg)
+    sock.send_multipart([identity, *frames] if identity is not None else frames, flags=flags, copy=False)
+
+
+def recv_message(sock, with_identity: bool = False, flags: int = 0):
+    """Receive one message; with_identity=True (ROUTER) returns (identity, msg)."""
+    frames = sock.recv_multipart(flags=flags, copy=False)
+    if with_identity:
+        return bytes(frames[0].buffer), decode(frames[1:])
+    return decode(frames)

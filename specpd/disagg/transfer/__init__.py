@@ -1,0 +1,42 @@
+"""Transfer backends (DESIGN.md §6): an ABC and a registry; heavy engines are imported only when chosen.
+
+`--transfer-backend {mooncake,tcp}`: `create_backend(name, host=..., **options)`.
+"""
+from __future__ import annotations
+
+import importlib
+
+from specpd.disagg.transfer.base import (PageCopy, PeerUnreachable, TransferBackend, TransferError, TransferHandle,
+                                         TransferResult, TransferStatus)
+
+# name -> "module:Class", imported on first use (mooncake needs a native library that may be absent)
+TRANSFER_BACKENDS: dict[str, str] = {
+    "mooncake": "specpd.disagg.transfer.mooncake:MooncakeBackend",
+    "tcp": "specpd.disagg.transfer.tcp:TcpBackend",
+}
+
+
+def get_backend_class(name: str) -> type[TransferBackend]:
+    """Raises ValueError for an unknown name, ImportError (with the fix) when the backend cannot load."""
+    if name not in TRANSFER_BACKENDS:
+        raise ValueError(f"unknown transfer backend {name!r}; choose from {sorted(TRANSFER_BACKENDS)}")
+    module, cls = TRANSFER_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_backend(name: str, host: str = "127.0.0.1", **options) -> TransferBackend:
+    return get_backend_class(name)(host, **options)
+
+
+def backend_available(name: str) -> tuple[bool, str]:
+    """(True, "") if `name` loads here, else (False, why)."""
+    try:
+        get_backend_class(name).check_available()
+    except (ImportError, OSError) as e:
+        return False, str(e)
+    return True, ""
+
+
+__all__ = ["TRANSFER_BACKENDS", "PageCopy", "PeerUnreachable", "TransferBackend", "TransferError",
+           "TransferHandle", "TransferResult", "TransferStatus", "backend_available", "create_backend",
+           "get_backend_class"]

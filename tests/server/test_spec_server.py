@@ -31,7 +31,7 @@ def server(checkpoint, tmp_path_factory):
 
 def test_greedy_is_lossless_and_usage_reports_acceptance(server, checkpoint):
     client = server["client"]
-    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
                                                 "ignore_eos": True}).json()
     usage = body["usage"]
     assert usage["spec_verify_count"] >= 1
@@ -39,7 +39,7 @@ def test_greedy_is_lossless_and_usage_reports_acceptance(server, checkpoint):
     assert usage["spec_accepted_tokens"] >= 0
     engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=32)), checkpoint=checkpoint)
     ref = engine.generate([checkpoint.tokenizer.encode(PROMPT)],
-                          SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+                          SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     assert body["choices"][0]["text"] == ref.text
 
 

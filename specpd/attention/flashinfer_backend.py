@@ -133,6 +133,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._active_plan: _FlashInferPlan | None = None
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if meta.tree_mask is not None:
+            # never fall back to causal attention silently: tree verify would accept wrong tokens
+            raise NotImplementedError("the flashinfer backend does not take tree masks yet; use "
+                                      "--attention-backend triton or torch with speculative decoding trees")
         pool = self.kv_pool
         inputs = flashinfer_plan_inputs(meta)
         shape = (self.num_q_heads, pool.kv_heads, self.head_dim, meta.page_size)

@@ -60,7 +60,8 @@ class SpecRunner:
                 ids.extend(tree.tokens.tolist())
                 positions.extend((it.start + tree.depth).tolist())
                 q_lens.append(len(tree.tokens))
-                masks.append(tree.attention_mask())
+                chain = bool((tree.parents == torch.arange(-1, len(tree.tokens) - 1)).all())
+                masks.append(None if chain else tree.attention_mask())  # a chain is plain causal
             else:
                 ids.extend(it.request.all_token_ids[it.start:it.start + it.num_tokens])
                 positions.extend(range(it.start, it.start + it.num_tokens))

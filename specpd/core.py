@@ -118,6 +118,7 @@ class Request:
     spec_accepted_tokens: int = 0  # accepted draft tokens (bonus excluded)
     spec_committed_tokens: int = 0  # tokens committed by verify forwards (bonus included, stops applied)
     spec_state: object = None  # the proposer's per-request draft state (owned by the runner)
+    prefill_only: bool = False  # PD prefill role: stop after the handoff token y0, keep the pages
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property

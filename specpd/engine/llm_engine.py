@@ -8,6 +8,9 @@ Lifecycle of a request inside the engine:
   3. `_postprocess` appends tokens with stop checks (EOS / stop token ids / stop strings /
      max_tokens / context length), detokenizes incrementally and frees finished requests' pages.
   4. `abort_request` finishes a request at the next step with reason "abort".
+PD hooks (specpd/disagg): `add_request(..., prefill_only=True)` stops after the handoff token y0 and
+keeps the pages (`take_handoff` / `release_handoff`); `add_prebuilt_request` commits a handoff from P
+(prompt KV already in the pages, y0 sampled) with no forward.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[str] = []
+        self._handoffs: dict[str, Request] = {}  # PD prefill: prefilled requests holding their pages
+        self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self.spec_stats = SpecStats(config.spec.spec_num_steps)
 
@@ -63,7 +68,18 @@ class LLMEngine:
                 "page_size": self.runner.kv_pool.page_size, **self.counters,
                 **(self.spec_stats.as_dict() if self.config.spec.enabled else {})}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        self.validate_request(request_id, prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(), prefill_only=prefill_only)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
+                                                         params.skip_special_tokens) if self.tokenizer else None
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        return req
+
+    def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the field if the engine cannot serve this request."""
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -80,21 +96,53 @@ class LLMEngine:
                                  f"the KV cache capacity ({self.total_pages * page_size} tokens)")
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequest("request_id", f"duplicate request id {request_id!r}")
+
+    # -- PD hooks --------------------------------------------------------------------------
+    def take_handoff(self, request_id: str) -> Request | None:
+        """A prefill-only request whose y0 is sampled: its pages hold the prompt KV until released."""
+        return self._handoffs.get(request_id)
+
+    def release_handoff(self, request_id: str) -> None:
+        req = self._handoffs.pop(request_id, None)
+        if req is not None:
+            req.spec_state = None
+        if req is not None and req.pages:
+            self.scheduler.allocator.free(req.pages)
+            req.pages = []
+
+    def add_prebuilt_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             pages: list[int], handoff_token: int, handoff_logprob: TokenLogprob | None,
+                             draft_state=None) -> Request:
+        """Commit P's handoff: `pages` (allocated from this engine's allocator) hold KV for positions
+        0..N-1, y0 is appended (stop checks apply) and has no KV yet; the next step decodes it. No forward.
+        With speculation `draft_state` is the proposer's state for the first round."""
+        if self.spec_runner is not None and draft_state is None and self.spec_runner.proposer.needs_hidden:
+            raise NotImplementedError("PD decode with a draft model needs P's draft state (draft-on-both); "
+                                      "draft-on-decode-only is not implemented")
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        req.pages = list(pages)
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.spec_state = draft_state
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
-        self.scheduler.add(req)
-        self.counters["prompt_tokens"] += n
+        self.scheduler.add_running(req)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        req.first_token_time = time.monotonic()
+        new_ids, new_lps = self._append(req, [handoff_token], [handoff_logprob])
+        out = (self._finish_output(req, new_ids, new_lps) if req.finished
+               else self._output(req, new_ids, new_lps, final=False))
+        self._pending_outputs.append(out)
         return req
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._process_aborts()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs += self._process_aborts()
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -145,6 +193,9 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
+            if req.prefill_only:
+                outputs.append(self._handoff(req, sampled))
+                continue
             new_ids, new_lps = self._append(req, sampled.token_ids, sampled.logprobs)
             if sampled.num_accepted is not None:
                 req.spec_committed_tokens += len(new_ids)
@@ -202,6 +253,22 @@ class LLMEngine:
                              new_lps, req.stop_reason, spec_verify_count=req.spec_verify_count,
                              spec_accepted_tokens=req.spec_accepted_tokens,
                              spec_committed_tokens=req.spec_committed_tokens)
+
+    def _handoff(self, req: Request, sampled) -> RequestOutput:
+        """Prefill-only: y0 is sampled; keep the pages for the transfer, no stop checks (D applies them)."""
+        self.scheduler.detach(req)
+        req.finish_reason = "handoff"
+        req.output_token_ids = list(sampled.token_ids[:1])
+        lp = sampled.logprobs[0] if sampled.logprobs else None
+        req.output_logprobs = [lp] if lp is not None else []
+        self._handoffs[req.request_id] = req
+        self._detok.pop(req.request_id, None)
+        draft_state = req.spec_state  # the proposer's first-round proposal: it travels to D (draft-on-both)
+        (self.spec_runner or self.runner).release(req)
+        req.spec_state = draft_state
+        return RequestOutput(req.request_id, list(req.output_token_ids), "", list(req.output_token_ids), "",
+                             True, "handoff", req.num_prompt_tokens,
+                             [lp] if (lp is not None and req.params.logprobs is not None) else None)
 
     def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
         out = self._output(req, new_ids, new_lps, final=True)

@@ -36,6 +36,21 @@ class Scheduler:
         self.waiting.append(request)
         self._unfinished[request.request_id] = request
 
+    def add_running(self, request: Request) -> None:
+        """A request whose prompt KV is already in its pages (PD decode: committed handoff)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._unfinished[request.request_id] = request
+
+    def detach(self, request: Request) -> None:
+        """Take a request out of the queues keeping its pages (PD prefill: held until the KV is sent)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._unfinished.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

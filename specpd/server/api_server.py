@@ -51,6 +51,8 @@ def create_app(engine, role: str = "unified") -> FastAPI:
             yield
         finally:
             async_engine.stop()
+            if hasattr(engine, "close"):  # PD workers: sockets, bootstrap server, transfer backend
+                engine.close()
 
     app = FastAPI(title="specpd", lifespan=lifespan)
     app.state.engine = async_engine
@@ -134,10 +136,15 @@ class _Handlers:
         return max(1, capacity - num_prompt_tokens)
 
     def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # a checkpoint without a tokenizer (token-id prompts): vLLM's id form
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _generate(self, raw: Request, prompt_ids: list[int], params: SamplingParams,
                         formatter: CompletionFormatter | ChatFormatter, stream: bool) -> Response:
+        if self.role in ("prefill", "decode"):
+            await self._bootstrap(raw, formatter.id)
+            stream = stream and self.role == "decode"  # P answers once the KV is handed off
         request_stream = await self.async_engine.submit(formatter.id, prompt_ids, params)
         if stream:
             # The background task runs after the response ends however it ends, including a
@@ -150,6 +157,15 @@ class _Handlers:
         if outputs[-1].error:
             return JSONResponse(error_body(outputs[-1].error, None, 500, "server_error"), status_code=500)
         return JSONResponse(formatter.response(outputs))
+
+    async def _bootstrap(self, raw: Request, request_id: str) -> None:
+        """PD roles: read the router's bootstrap fields; D also finds P and checks its config (400 on mismatch)."""
+        from specpd.disagg.worker import BootstrapInfo
+        info = BootstrapInfo.from_body(await raw.json())
+        if self.role == "decode":
+            await asyncio.to_thread(self.engine.bootstrap, request_id, info)
+        else:
+            self.engine.expect(request_id, info)
 
     async def _sse(self, stream: RequestStream, formatter):
         last: RequestOutput | None = None

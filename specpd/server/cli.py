@@ -1,8 +1,12 @@
 """The `specpd` command (also `python -m specpd`).
 
   specpd serve    --model default --port 8000 [engine flags]   OpenAI-compatible HTTP server
+  specpd serve    --role prefill --port 8100 --bootstrap-port 8998 --transfer-backend tcp
+  specpd serve    --role decode  --port 8200 --transfer-backend tcp
+  specpd serve    --role router  --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
   specpd generate --model default --prompt TEXT [--chat] [--json] [engine flags]
                                                                 one request, in-process, then exit
+  specpd train-draft --target MODEL --algorithm eagle3 --out DIR  train a draft (specpd/train/cli.py)
 
 Engine flags are generated from the fields of EngineConfig and its nested configs
 (`cache.page_size` -> `--page-size`), so a new config field is a new flag with no edit here.
@@ -25,7 +29,7 @@ from specpd.config import EngineConfig
 
 logger = logging.getLogger("specpd")
 
-ROLES = ("unified",)  # prefill / decode / router come with disaggregation
+ROLES = ("unified", "prefill", "decode", "router")  # PD roles: specpd/disagg
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
             "attention_backend": ("torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
@@ -100,12 +104,29 @@ def _build(cls: type, path: tuple[str, ...], given: dict[tuple[str, ...], Any]):
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    if args.role == "router":  # no torch in this process
+        from specpd.disagg.router import create_router_app
+        if not args.prefill or not args.decode:
+            print("specpd serve --role router needs --prefill URL and --decode URL", file=sys.stderr)
+            return 2
+        app = create_router_app(args.prefill, args.decode, args.bootstrap_port)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               timeout_graceful_shutdown=5))
+        asyncio.run(_serve(server, args.host, args.port, "router"))
+        return 0
+
     from specpd.engine.llm_engine import LLMEngine
     from specpd.server.api_server import create_app
 
     config = config_from_args(args)
     logger.info("loading %s", config.model)
     engine = LLMEngine(config)
+    if args.role == "prefill":
+        from specpd.disagg.prefill import PrefillWorker
+        engine = PrefillWorker(engine, args.transfer_backend, args.host, args.bootstrap_port)
+    elif args.role == "decode":
+        from specpd.disagg.decode import DecodeWorker
+        engine = DecodeWorker(engine, args.transfer_backend, args.host)
     app = create_app(engine, role=args.role)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
@@ -191,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     p.add_argument("--role", choices=ROLES, default="unified", help="what this process serves (default: unified)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    pd = p.add_argument_group("disaggregation (--role prefill / decode / router)")
+    pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default="tcp",
+                    help="KV page transfer engine, the same on P and D (default: tcp)")
+    pd.add_argument("--bootstrap-port", type=int, default=8998,
+                    help="prefill: port of the bootstrap registry (/route, /health); router: the prefill "
+                         "server's (default: 8998)")
+    pd.add_argument("--prefill", metavar="URL", help="router: the prefill server, e.g. http://127.0.0.1:8100")
+    pd.add_argument("--decode", metavar="URL", help="router: the decode server, e.g. http://127.0.0.1:8200")
     add_engine_args(p)
     p.set_defaults(func=serve)
 
@@ -207,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     add_engine_args(g)
     g.set_defaults(func=generate)
+
+    from specpd.train.cli import add_arguments as add_train_draft_args  # argparse only; torch loads on run
+    add_train_draft_args(sub.add_parser("train-draft", help="train an EAGLE / EAGLE-3 / MTP draft for a target"))
     return parser
 
 

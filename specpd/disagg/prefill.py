@@ -1,0 +1,202 @@
+"""The prefill server (P): prompt KV in, handoff out. It never streams tokens.
+
+A request's life on P, keyed by its `bootstrap_room`:
+  1. bootstrap queue: the HTTP request (with the router's room) waits here until D's `DecodeRegister` and
+     `KVDestination` for the room arrived on P's ROUTER control socket (they may come first: kept in
+     `_destinations`). D's PeerConfig is checked here; a mismatch answers `TransferFailed` naming both values.
+  2. waiting queue: `engine.add_request(prefill_only=True)`; the engine batches prefills with the normal
+     scheduler, samples y0 at position N-1 and keeps the pages (`engine.take_handoff`).
+  3. send: the prompt's pages are submitted to the transfer backend (one descriptor per page into D's
+     destination pages; with a draft model the draft pool's pages too), and the `HandoffRecord` (y0, logprob,
+     N, params; draft-on-both: the draft's first-round top-k ids/probs and hidden) goes to D right away.
+  4. inflight queue: the transfer handle is polled every step; when done P sends `TransferDone`
+     (or `TransferFailed`), then
+  5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
+     "handoff", or an error -> the router drops D's request).
+Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
+there; a room in flight finishes its transfer first (D owns the destination pages).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from specpd.core import RequestOutput, SamplingParams
+from specpd.disagg.bootstrap import BootstrapServer, Route
+from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, KVDestination,
+                                    MessageError, TransferDone, TransferFailed, check_compatible, recv_message,
+                                    send_message)
+from specpd.disagg.transfer import TransferStatus
+from specpd.disagg.worker import BootstrapInfo, DisaggWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Room:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    info: BootstrapInfo
+    identity: bytes | None = None  # D's DEALER, once registered
+    destination: KVDestination | None = None
+    handle: object = None  # TransferHandle while in flight
+
+
+class PrefillWorker(DisaggWorker):
+    role = "prefill"
+
+    def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998):
+        super().__init__(engine, transfer_backend, host)
+        self.control = self.ctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        port = self.control.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.poller.register(self.control, zmq.POLLIN)
+        self.bootstrap = BootstrapServer(host, bootstrap_port, Route(self.endpoint, transfer_backend,
+                                                                     dataclasses.asdict(self.peer_config))).start()
+        self._registered: dict[int, tuple[bytes, DecodeRegister]] = {}  # room -> D's identity, register
+        self._destinations: dict[int, KVDestination] = {}  # room -> KVDestination arrived before the request
+        self.bootstrap_queue: dict[int, _Room] = {}
+        self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
+        self.inflight: dict[int, _Room] = {}
+
+    # -- engine interface ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        info = self._take_expected(request_id)
+        self.engine.validate_request(request_id, prompt_token_ids, params)
+        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info)
+
+    def abort_request(self, request_id: str) -> None:
+        for room, r in list(self.bootstrap_queue.items()):
+            if r.request_id == request_id:
+                del self.bootstrap_queue[room]
+                self._drop_room_state(room)
+                self._final(request_id, len(r.prompt_token_ids), "abort")
+                return
+        if request_id in self.prefilling:
+            self.engine.abort_request(request_id)
+
+    def disagg_busy(self) -> bool:
+        return bool(self.bootstrap_queue or self.inflight)
+
+    def queue_sizes(self) -> dict:
+        return {"pd_bootstrap": len(self.bootstrap_queue), "pd_prefilling": len(self.prefilling),
+                "pd_inflight": len(self.inflight)}
+
+    # -- stages ----------------------------------------------------------------------------
+    def poll_control(self, timeout_ms: int) -> None:
+        events = dict(self.poller.poll(timeout_ms))
+        while self.control in events:
+            try:
+                identity, msg = recv_message(self.control, with_identity=True, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except MessageError as e:
+                logger.warning("bad control message: %s", e)
+                continue
+            self._on_message(identity, msg)
+
+    def _on_message(self, identity: bytes, msg) -> None:
+        if isinstance(msg, DecodeRegister):
+            try:
+                check_compatible(self.peer_config, msg.config)
+            except ConfigMismatch as e:
+                send_message(self.control, TransferFailed(msg.room, str(e)), identity=identity)
+                return
+            self._registered[msg.room] = (identity, msg)
+        elif isinstance(msg, KVDestination):
+            self._destinations[msg.room] = msg
+        elif isinstance(msg, Abort):
+            # a room in the engine or in flight finishes its transfer: TransferDone tells D it may free
+            if any(r.info.room == msg.room for r in self.prefilling.values()) or msg.room in self.inflight:
+                return
+            room = self.bootstrap_queue.pop(msg.room, None)
+            self._drop_room_state(msg.room)
+            send_message(self.control, AbortAck(msg.room), identity=identity)
+            if room is not None:
+                self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"decode aborted: {msg.reason}")
+        else:
+            logger.warning("unexpected %s on the prefill control socket", type(msg).__name__)
+
+    def _drop_room_state(self, room: int) -> None:
+        self._registered.pop(room, None)
+        self._destinations.pop(room, None)
+
+    def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        passed = []
+        for out in outputs:
+            room = self.prefilling.pop(out.request_id, None)
+            if room is None:
+                passed.append(out)
+            elif out.finish_reason == "handoff":
+                self._send(room)
+            else:  # aborted in the engine
+                self._fail(room, f"prefill ended with {out.finish_reason}", notify_decode=True)
+        return passed
+
+    def advance(self) -> None:
+        for room_id in [r for r in self.bootstrap_queue if r in self._registered and r in self._destinations]:
+            room = self.bootstrap_queue.pop(room_id)
+            room.identity = self._registered.pop(room_id)[0]
+            room.destination = self._destinations.pop(room_id)
+            try:
+                self.engine.add_request(room.request_id, room.prompt_token_ids, room.params, prefill_only=True)
+            except Exception as e:  # noqa: BLE001 - validated at add; report rather than kill the thread
+                self._fail(room, f"prefill rejected: {e}", notify_decode=True)
+                continue
+            self.prefilling[room.request_id] = room
+        for room_id, room in list(self.inflight.items()):
+            status = room.handle.poll()
+            if status is TransferStatus.PENDING:
+                continue
+            del self.inflight[room_id]
+            result = room.handle.wait()
+            self.engine.release_handoff(room.request_id)
+            if result.ok:
+                send_message(self.control, TransferDone(room_id, result.num_pages, result.num_bytes),
+                             identity=room.identity)
+                self._final(room.request_id, len(room.prompt_token_ids), "handoff")
+            else:
+                self._fail(room, f"KV transfer failed: {result.error}", notify_decode=True)
+
+    def _send(self, room: _Room) -> None:
+        req = self.engine.take_handoff(room.request_id)
+        dest = room.destination
+        src = req.pages[:len(dest.dst_page_ids)]
+        lp = req.output_logprobs[0] if req.output_logprobs else None
+        try:
+            room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
+        except ValueError as e:
+            self.engine.release_handoff(room.request_id)
+            self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
+            return
+        record = HandoffRecord(room=room.info.room, request_id=room.request_id, prompt_len=req.num_prompt_tokens,
+                               handoff_token=req.output_token_ids[0],
+                               handoff_logprob=lp.logprob if lp is not None else None,
+                               sampling_params=room.params, **self._draft_fields(req)).validate()
+        send_message(self.control, record, identity=room.identity)
+        self.inflight[room.info.room] = room
+
+    def _draft_fields(self, req) -> dict:
+        if self.peer_config.draft_mode != "both":
+            return {}
+        state = req.spec_state  # DraftState from the draft extend over the prompt
+        return {"draft_mode": "both", "draft_topk_ids": torch.tensor(state.topk_ids, dtype=torch.int64),
+                "draft_topk_probs": torch.tensor(state.topk_probs, dtype=torch.float32),
+                "draft_hidden": state.hidden}
+
+    def _fail(self, room: _Room, reason: str, notify_decode: bool) -> None:
+        logger.warning("room %d: %s", room.info.room, reason)
+        if notify_decode and room.identity is not None:
+            send_message(self.control, TransferFailed(room.info.room, reason), identity=room.identity)
+        self._final(room.request_id, len(room.prompt_token_ids), "abort", error=reason)
+
+    def close(self) -> None:
+        self.bootstrap.close()
+        self.control.close(0)
+        super().close()

@@ -1,0 +1,167 @@
+"""Real processes on 127.0.0.1: router -> prefill (P) + decode (D), a tiny random Llama, token-id prompts.
+
+Greedy output through the router equals the unified engine's (non-stream and stream), with every transfer
+backend that loads here; P's and D's free pages return to their totals; a P with another page size is
+refused by D with both values named, and the router drops P's half of that request.
+"""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from specpd.config import CacheConfig, EngineConfig
+from specpd.core import SamplingParams
+from specpd.disagg.transfer import backend_available
+from specpd.engine.llm_engine import LLMEngine
+from tests.model.hf_models import save_tiny_model
+from tests.server.launcher import REPO, free_port, tail
+
+PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), list(range(1, 33))]
+MAX_TOKENS = 12
+STARTUP_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_pd")
+    save_tiny_model("llama", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128)))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+
+
+@contextlib.contextmanager
+def servers(specs: list[list[str]]):
+    """Start every `specpd serve` command line at once; yields their base URLs once all answer /health."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OPENBLAS_NUM_THREADS": "1"}
+    procs = []
+    try:
+        for args in specs:
+            port = free_port()
+            log = tempfile.NamedTemporaryFile("w+", prefix="specpd-pd-", suffix=".log", delete=False)
+            cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), "--log-level", "warning", *args]
+            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                          f"http://127.0.0.1:{port}", log))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for proc, base, log in procs:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{tail(log.name)}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{proc.args} not healthy:\n{tail(log.name)}")
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.3)
+        yield [base for _, base, _ in procs]
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, log in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+            os.unlink(log.name)
+
+
+def engine_args(model_dir, page_size=4):
+    return ["--model", model_dir, "--page-size", str(page_size), "--num-pages", "128", "--num-threads", "1"]
+
+
+def wait_free_pages(base: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(base + "/server_info").json()
+        if info["free_pages"] == info["total_pages"] or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
+
+
+def stream_tokens(client: httpx.Client, body: dict) -> list[int]:
+    """Text of a streamed completion is not checkable without a tokenizer: ask for logprobs=0 and read ids."""
+    tokens = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True, "logprobs": 0}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            lps = chunk["choices"][0].get("logprobs") or {}
+            tokens += [int(t.removeprefix("token_id:")) for t in lps.get("tokens", [])]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(model_dir, tmp_path_factory):
+    from specpd.config import ModelConfig
+    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.model.loader import load_checkpoint
+    path = str(tmp_path_factory.mktemp("tiny_eagle"))
+    random_draft_checkpoint(path, "eagle", ModelConfig.from_hf(load_checkpoint(model_dir).hf_config), seed=1)
+    return path
+
+
+def _backend(name):
+    ok, why = backend_available(name)
+    return pytest.mark.skipif(not ok, reason=why)
+
+
+CASES = [pytest.param("tcp", False, id="tcp"), pytest.param("mooncake", False, id="mooncake", marks=_backend("mooncake")),
+         pytest.param("tcp", True, id="tcp-eagle-draft-on-both")]
+
+
+@pytest.mark.parametrize("backend,spec", CASES)
+def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, spec):
+    p_boot, p8_boot = free_port(), free_port()
+    spec_args = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3"] if spec else []
+    specs = [["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p_boot),
+              *engine_args(model_dir), *spec_args],
+             ["--role", "decode", "--transfer-backend", backend, *engine_args(model_dir), *spec_args]]
+    mismatch = backend == "tcp" and not spec
+    if mismatch:  # the mismatch check once: a P with another page size
+        specs.append(["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p8_boot),
+                      *engine_args(model_dir, page_size=8)])
+    with servers(specs) as bases:
+        p_url, d_url = bases[0], bases[1]
+        routers = [["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port", str(p_boot)]]
+        if mismatch:
+            routers.append(["--role", "router", "--prefill", bases[2], "--decode", d_url,
+                            "--bootstrap-port", str(p8_boot)])
+        with servers(routers) as router_urls, httpx.Client(base_url=router_urls[0], timeout=60) as client:
+            for prompt, want in zip(PROMPTS, expected):
+                body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+                resp = client.post("/v1/completions", json={**body, "logprobs": 0})
+                assert resp.status_code == 200, resp.text
+                tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
+                assert [int(t.removeprefix("token_id:")) for t in tokens] == want
+                assert stream_tokens(client, body) == want
+            for base in (p_url, d_url):
+                info = wait_free_pages(base)
+                assert info["free_pages"] == info["total_pages"], (base, info)
+            if mismatch:
+                resp = httpx.post(router_urls[1] + "/v1/completions", timeout=60,
+                                  json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+                assert resp.status_code == 400, resp.text
+                assert "page_size: prefill=8 decode=4" in resp.json()["error"]["message"]
+                deadline = time.monotonic() + 10  # the router dropped P's half: P's bootstrap queue empties
+                while httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] == 0

@@ -1,14 +1,18 @@
 """Offline throughput: specpd vs HF transformers `generate` on the same weights (the default model,
 SmolLM2-135M-Instruct), greedy, EOS ignored, prompts of exactly --prompt-len tokens of ShareGPT text.
 
+Configs: each engine at each --dtypes entry (dense weights: the GGUF dequantized), plus specpd with
+weight-only quantization (--quantizations, bfloat16 activations only: `bfloat16+int4` reproduces the
+GGUF's Q4_1 codes, see specpd/model/quant.py). HF runs dense only.
+
 Every config runs in this one process and the configs are interleaved rep by rep, in a rotating
 order (the machine is shared and noisy); medians over reps are reported.
   tok/s (end-to-end, prefill included) = N * out / t_total
   TTFT    = time until every request of the batch has its first token (batch 1: the usual TTFT)
   decode tok/s (prefill excluded) = N * (out - 1) / (t_total - TTFT)
 
-  python evals/bench_offline.py           # full run -> evals/results/offline.json
-  python evals/bench_offline.py --quick   # smoke run (short prompts, 1 rep) -> $TMPDIR, not results/
+  python evals/bench_offline.py --threads 1   # full run -> evals/results/offline.json
+  python evals/bench_offline.py --quick       # smoke run (short prompts, 1 rep) -> $TMPDIR, not results/
 """
 from __future__ import annotations
 
@@ -31,14 +35,21 @@ from specpd.model.loader import load_checkpoint  # noqa: E402
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANT_DTYPE = "bfloat16"  # the only activation dtype specpd's quantized linears run with
+
+
+def label(dtype: str, quantization: str = "none") -> str:
+    """A config's name in results and ratio keys: `float32`, `bfloat16`, `bfloat16+int4`."""
+    return dtype if quantization == "none" else f"{dtype}+{quantization}"
 
 
 class SpecpdRunner:
     engine_name = "specpd"
 
-    def __init__(self, ckpt, dtype: str, max_batch: int, max_len: int, page_size: int = 16):
+    def __init__(self, ckpt, dtype: str, max_batch: int, max_len: int, quantization: str = "none",
+                 num_threads: int | None = None, page_size: int = 16):
         pages = max_batch * -(-max_len // page_size) + 8
-        self.config = EngineConfig(model="default", dtype=dtype,
+        self.config = EngineConfig(model="default", dtype=dtype, quantization=quantization, num_threads=num_threads,
                                    cache=CacheConfig(page_size=page_size, num_pages=pages))
         self.engine = LLMEngine(self.config, checkpoint=ckpt)
         self._runs = 0
@@ -124,6 +135,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(TORCH_DTYPES))
+    ap.add_argument("--quantizations", nargs="*", default=["int4"], choices=["int4", "int8"],
+                    help=f"extra specpd configs with quantized weights ({QUANT_DTYPE} activations)")
     ap.add_argument("--engines", nargs="+", default=["specpd", "hf"], choices=["specpd", "hf"])
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (default: torch's own, = usable cores). On a shared machine "
@@ -143,12 +156,17 @@ def main() -> None:
     ckpt = load_checkpoint("default")
     max_batch = max(args.batch_sizes)
     prompts, prompt_source = real_text_prompts(ckpt.tokenizer, max_batch, args.prompt_len)
-    runners = {}
+    max_len = args.prompt_len + args.output_len
+    runners = {}  # (engine, config label) -> runner
     for dtype in args.dtypes:
         if "specpd" in args.engines:
-            runners[("specpd", dtype)] = SpecpdRunner(ckpt, dtype, max_batch, args.prompt_len + args.output_len)
+            runners[("specpd", dtype)] = SpecpdRunner(ckpt, dtype, max_batch, max_len, num_threads=args.threads)
         if "hf" in args.engines:
             runners[("hf", dtype)] = HFRunner(ckpt, dtype)
+    if "specpd" in args.engines:
+        for quant in args.quantizations:
+            runners[("specpd", label(QUANT_DTYPE, quant))] = SpecpdRunner(ckpt, QUANT_DTYPE, max_batch, max_len,
+                                                                          quant, num_threads=args.threads)
     configs = list(runners)
 
     log("warmup")
@@ -162,22 +180,23 @@ def main() -> None:
     for rep in range(args.reps):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         for b in args.batch_sizes:
-            for engine, dtype in order:
-                row = measure(runners[(engine, dtype)], prompts[:b], args.output_len)
-                raw[(engine, dtype, b)].append(row)
-                log(f"rep {rep} batch {b:>3} {engine:>6} {dtype:>8}: {row['tokens_per_s']:7.1f} tok/s  "
+            for engine, cfg in order:
+                row = measure(runners[(engine, cfg)], prompts[:b], args.output_len)
+                raw[(engine, cfg, b)].append(row)
+                log(f"rep {rep} batch {b:>3} {engine:>6} {cfg:>13}: {row['tokens_per_s']:7.1f} tok/s  "
                     f"decode {row['decode_tokens_per_s']:7.1f} tok/s  ttft {row['ttft_s']:6.2f}s  "
                     f"load {row['loadavg_1m']:.1f}")
     bench_s = time.perf_counter() - t_start
 
-    results = summarize(raw)
+    results = summarize(raw, runners)
     ratios, checks = compare(raw, results, args)
 
-    spec_cfg = next(({k: v for k, v in r.config.to_dict().items() if k != "dtype"}  # dtype varies per row
-                     for r in runners.values() if isinstance(r, SpecpdRunner)), None)
+    spec_cfg = next(({k: v for k, v in r.config.to_dict().items() if k not in ("dtype", "quantization")}
+                     for r in runners.values() if isinstance(r, SpecpdRunner)), None)  # those vary per row
     hf_attn = next((r.attn_implementation for r in runners.values() if isinstance(r, HFRunner)), None)
     report = {
-        "benchmark": "offline", "model": "SmolLM2-135M-Instruct (default, Q4_1 GGUF dequantized)",
+        "benchmark": "offline",
+        "model": "SmolLM2-135M-Instruct (default, Q4_1 GGUF; dense configs dequantize it, +int4 keeps its 4-bit codes)",
         "prompt_source": prompt_source, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "batch_sizes": args.batch_sizes, "reps": args.reps, "quick": args.quick,
         "sampling": "greedy, ignore_eos", "bench_wall_s": round(bench_s, 1),
@@ -190,10 +209,13 @@ def main() -> None:
     log(f"wrote {out_path}")
 
 
-def summarize(raw: dict[tuple, list[dict]]) -> list[dict]:
+def summarize(raw: dict[tuple, list[dict]], runners: dict) -> list[dict]:
     results = []
-    for (engine, dtype, b), rows in raw.items():
-        entry = {"engine": engine, "dtype": dtype, "batch_size": b, "reps": len(rows)}
+    for (engine, cfg, b), rows in raw.items():
+        runner = runners[engine, cfg]
+        dtype, quant = (runner.config.dtype, runner.config.quantization) if engine == "specpd" else (cfg, "none")
+        entry = {"engine": engine, "config": cfg, "dtype": dtype, "quantization": quant, "batch_size": b,
+                 "reps": len(rows)}
         for field in ("tokens_per_s", "decode_tokens_per_s", "ttft_s"):
             entry[field] = median([r[field] for r in rows])
             entry[field + "_all"] = [round(r[field], 3) for r in rows]
@@ -204,42 +226,58 @@ def summarize(raw: dict[tuple, list[dict]]) -> list[dict]:
 
 def compare(raw: dict[tuple, list[dict]], results: list[dict], args) -> tuple[dict, dict]:
     """Ratios of medians, plus `_paired`: the median over reps of the ratio within one rep (robust to
-    load drifting between reps). Checks: greedy agreement of specpd with HF on the batch-1 prompt."""
-    by = {(r["engine"], r["dtype"], r["batch_size"]): r for r in results}
-    both = set(args.engines) == {"specpd", "hf"}
+    load drifting between reps). specpd vs HF is reported same-dtype (a quantized config against HF at
+    its activation dtype) and best-vs-best (each engine's fastest config). Checks: greedy agreement of
+    the batch-1 outputs (specpd vs HF at the same dtype; a quantized config also vs specpd dense)."""
+    by = {(r["engine"], r["config"], r["batch_size"]): r for r in results}
+    spec_cfgs = sorted({c for e, c, _ in by if e == "specpd"})
+    hf_cfgs = sorted({c for e, c, _ in by if e == "hf"})
     fields = (("tokens_per_s", "e2e"), ("decode_tokens_per_s", "decode"))
 
-    def paired(d: str, b: int, field: str) -> float:
-        return median([x[field] / y[field] for x, y in zip(raw["specpd", d, b], raw["hf", d, b])])
+    def dtype_of(cfg: str) -> str:
+        return cfg.split("+")[0]
+
+    def paired(cfg: str, b: int, field: str) -> float:
+        return median([x[field] / y[field] for x, y in zip(raw["specpd", cfg, b], raw["hf", dtype_of(cfg), b])])
 
     ratios, checks = {}, {}
-    if both and 1 in args.batch_sizes:
-        for d in args.dtypes:
-            ratios[f"specpd_over_hf_b1_decode_{d}"] = (by["specpd", d, 1]["decode_tokens_per_s"]
-                                                       / by["hf", d, 1]["decode_tokens_per_s"])
-            ratios[f"specpd_over_hf_b1_decode_{d}_paired"] = paired(d, 1, "decode_tokens_per_s")
-            a, h = raw["specpd", d, 1][0]["outputs"][0], raw["hf", d, 1][0]["outputs"][0]
-            checks[f"b1_greedy_common_prefix_{d}"] = f"{common_prefix(a, h)}/{args.output_len}"
-        best = {e: max(args.dtypes, key=lambda d: by[e, d, 1]["decode_tokens_per_s"]) for e in ("specpd", "hf")}
-        ratios["specpd_over_hf_b1_decode_best"] = (by["specpd", best["specpd"], 1]["decode_tokens_per_s"]
-                                                   / by["hf", best["hf"], 1]["decode_tokens_per_s"])
-        ratios["best_dtypes_b1_decode"] = best
-    for b in (b for b in args.batch_sizes if b > 1):
-        for d in args.dtypes:
-            for field, tag in fields:
-                if "specpd" in args.engines and 1 in args.batch_sizes:
-                    ratios[f"specpd_b{b}_over_b1_{tag}_{d}"] = by["specpd", d, b][field] / by["specpd", d, 1][field]
-                if both:
-                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}"] = by["specpd", d, b][field] / by["hf", d, b][field]
-                    ratios[f"specpd_over_hf_b{b}_{tag}_{d}_paired"] = paired(d, b, field)
+    for b in args.batch_sizes:
+        tags = fields if b > 1 else fields[1:]  # batch 1: decode speed is the headline
+        for cfg in (c for c in spec_cfgs if dtype_of(c) in hf_cfgs):
+            for field, tag in tags:
+                ratios[f"specpd_over_hf_b{b}_{tag}_{cfg}"] = (by["specpd", cfg, b][field]
+                                                              / by["hf", dtype_of(cfg), b][field])
+                ratios[f"specpd_over_hf_b{b}_{tag}_{cfg}_paired"] = paired(cfg, b, field)
+        if spec_cfgs and hf_cfgs:
+            for field, tag in tags:
+                best = {e: max(cfgs, key=lambda c: by[e, c, b][field]) for e, cfgs in (("specpd", spec_cfgs),
+                                                                                         ("hf", hf_cfgs))}
+                ratios[f"specpd_over_hf_b{b}_{tag}_best"] = (by["specpd", best["specpd"], b][field]
+                                                             / by["hf", best["hf"], b][field])
+                ratios[f"best_configs_b{b}_{tag}"] = best
+    if 1 in args.batch_sizes:
+        for b in (b for b in args.batch_sizes if b > 1):
+            for cfg in spec_cfgs:
+                for field, tag in fields:
+                    ratios[f"specpd_b{b}_over_b1_{tag}_{cfg}"] = (by["specpd", cfg, b][field]
+                                                                  / by["specpd", cfg, 1][field])
+        for cfg in spec_cfgs:
+            ours = raw["specpd", cfg, 1][0]["outputs"][0]
+            refs = [("hf", dtype_of(cfg))] if dtype_of(cfg) in hf_cfgs else []
+            if cfg != dtype_of(cfg) and dtype_of(cfg) in spec_cfgs:
+                refs.append(("specpd", dtype_of(cfg)))  # quantized vs dense
+            for engine, ref_cfg in refs:
+                ref = raw[engine, ref_cfg, 1][0]["outputs"][0]
+                checks[f"b1_greedy_common_prefix_{cfg}_vs_{engine}_{ref_cfg}"] = (
+                    f"{common_prefix(ours, ref)}/{args.output_len}")
     return ratios, checks
 
 
 def print_table(results: list[dict], ratios: dict, checks: dict) -> None:
-    print("| engine | dtype | batch | end-to-end tok/s | decode tok/s | TTFT s |")
+    print("| engine | config | batch | end-to-end tok/s | decode tok/s | TTFT s |")
     print("|---|---|---|---|---|---|")
-    for r in sorted(results, key=lambda r: (r["batch_size"], r["dtype"], r["engine"])):
-        print(f"| {r['engine']} | {r['dtype']} | {r['batch_size']} | {r['tokens_per_s']:.1f} "
+    for r in sorted(results, key=lambda r: (r["batch_size"], r["config"], r["engine"])):
+        print(f"| {r['engine']} | {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.1f} "
               f"| {r['decode_tokens_per_s']:.1f} | {r['ttft_s']:.2f} |")
     for k, v in {**ratios, **checks}.items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")

@@ -135,6 +135,10 @@ class EngineConfig:
     attention_backend: str = "torch"  # torch | triton | flashinfer
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's context length
+    # weight-only quantization of the decoder's linears and the LM head: none | int4 | int8
+    # (specpd.model.quant; needs dtype bfloat16 on cpu)
+    quantization: str = "none"
+    num_threads: int | None = None  # torch.set_num_threads for this process; None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

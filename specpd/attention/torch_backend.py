@@ -4,6 +4,11 @@ Short query blocks (decode rows, tree verify / draft steps, small chunks) are pa
 and attended with one SDPA call over their gathered pages and a [batch, q_max, kv_max] mask; each
 long prefill/extend sequence is attended on its own (plain causal when it has no prefix). Masks
 follow AttentionMetadata: the prefix is visible, then causal, or the sequence's tree block.
+
+CPU speed notes (SmolLM2-135M, 1 thread): pages are gathered with `index_select` (4x faster than
+`k_cache[pages]` advanced indexing on the strided pool view); SDPA always gets 4-D tensors (3-D
+ones fall back to the slow math kernel); the padded mask is built once per step as an additive
+float mask in the pool's dtype (a bool mask is converted by SDPA in every layer).
 """
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ SHORT_Q = 32  # query blocks up to this length share one padded SDPA call
 class _Padded:
     rows: torch.Tensor  # [B, q_max] long, token rows of each sequence's queries (padding: 0)
     valid: torch.Tensor  # [B, q_max] bool
-    pages: torch.Tensor  # [B, n_pages] long
-    mask: torch.Tensor  # [B, 1, q_max, n_pages * page_size] bool, True = attend
+    pages: torch.Tensor  # [B * n_pages] long, page ids of sequence 0, then 1, ...
+    mask: torch.Tensor  # [B, 1, q_max, n_pages * page_size] additive float (0 = attend, -inf = not)
+    # every token of the batch is a valid query and they come in order: q is viewed, not gathered
+    dense: bool
 
 
 @dataclass
@@ -64,8 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta.plan = _TorchPlan(self._plan_padded(meta, short, indptr, tree_indptr) if short else None, long)
         return meta
 
-    @staticmethod
-    def _plan_padded(meta, seqs: list[int], indptr: list[int], tree_indptr) -> _Padded:
+    def _plan_padded(self, meta, seqs: list[int], indptr: list[int], tree_indptr) -> _Padded:
         q_lens = [meta.q_lens_host[b] for b in seqs]
         kv_lens = [meta.kv_lens_host[b] for b in seqs]
         q_max, kv_max = max(q_lens), max(kv_lens)
@@ -87,7 +93,9 @@ class TorchAttentionBackend(AttentionBackend):
         mask[:, :, 0] |= ~valid  # padding rows attend to one slot (no NaN); their output is dropped
         rows = torch.tensor(indptr[:-1])[idx].view(-1, 1) + torch.arange(q_max).view(1, -1)
         rows = torch.where(valid, rows, torch.zeros_like(rows))
-        return _Padded(rows, valid, meta.page_table[idx, :n_pages].long(), mask.unsqueeze(1))
+        dense = len(seqs) == meta.batch_size and len(set(q_lens)) == 1
+        additive = torch.zeros(mask.shape, dtype=self.kv_pool.dtype).masked_fill_(~mask, float("-inf"))
+        return _Padded(rows, valid, meta.page_table[idx, :n_pages].long().flatten(), additive.unsqueeze(1), dense)
 
     def forward(self, q, k, v, layer_id, meta):
         pool = self.kv_pool
@@ -95,21 +103,40 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         plan: _TorchPlan = meta.plan
         out = torch.empty_like(q)
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
         if plan.padded is not None:
             pad = plan.padded
-            nb = pad.pages.shape[0]
-            kb = k_cache[pad.pages].reshape(nb, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-            vb = v_cache[pad.pages].reshape(nb, -1, hkv, d).transpose(1, 2).to(q.dtype)
-            qb = q[pad.rows].transpose(1, 2)  # [B, Hq, q_max, D]
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=pad.mask, scale=self.sm_scale,
-                                                enable_gqa=True)
-            out[pad.rows[pad.valid]] = ob.transpose(1, 2)[pad.valid]
+            nb, q_max = pad.rows.shape
+            kb = _gather(k_cache, pad.pages, nb, q.dtype)  # [B, Hkv, S, D]
+            vb = _gather(v_cache, pad.pages, nb, q.dtype)
+            qb = (q.view(nb, q_max, *q.shape[1:]) if pad.dense else q[pad.rows]).transpose(1, 2)  # [B, Hq, q_max, D]
+            ob = self._padded_sdpa(qb, kb, vb, pad.mask.to(q.dtype)).transpose(1, 2)  # [B, q_max, Hq, D]
+            if pad.dense:
+                return ob.reshape(q.shape)
+            out[pad.rows[pad.valid]] = ob[pad.valid]
         for start, end, pages, kv_len, mask in plan.long:
-            kb = k_cache[pages].reshape(-1, hkv, d)[:kv_len].transpose(0, 1).to(q.dtype)
-            vb = v_cache[pages].reshape(-1, hkv, d)[:kv_len].transpose(0, 1).to(q.dtype)
-            qb = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
+            kb = _gather(k_cache, pages, 1, q.dtype)[:, :, :kv_len]  # [1, Hkv, kv_len, D]
+            vb = _gather(v_cache, pages, 1, q.dtype)[:, :, :kv_len]
+            qb = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
                                                 scale=self.sm_scale, enable_gqa=True)
-            out[start:end] = ob.transpose(0, 1)
+            out[start:end] = ob[0].transpose(0, 1)
         return out
+
+    def _padded_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, q_max, D], k/v [B, Hkv, S, D], mask [B, 1, q_max, S] -> [B, Hq, q_max, D]."""
+        b, hq, q_max, d = q.shape
+        group = hq // k.shape[1]
+        if q.dtype != torch.float32 or group == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.sm_scale, enable_gqa=True)
+        # fp32: fold each kv head's query heads into query rows, [B, Hkv, group * q_max, D] (row g * q_max + j),
+        # ~1.4x faster than enable_gqa's repeated K/V on CPU; bf16 gains nothing from it
+        qf = q.reshape(b, -1, group * q_max, d)
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask.repeat(1, 1, group, 1), scale=self.sm_scale)
+        return out.view(b, hq, q_max, d)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """cache [num_pages, page_size, Hkv, D] (strided pool view), pages [batch * n_pages] ->
+    [batch, Hkv, n_pages * page_size, D] in position order."""
+    kv = torch.index_select(cache, 0, pages)  # [batch * n_pages, page_size, Hkv, D]
+    return kv.view(batch, -1, *cache.shape[2:]).transpose(1, 2).to(dtype)

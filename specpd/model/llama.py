@@ -24,11 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # same op order as HF (normalise in fp32, cast back, then scale) so outputs match bit-for-bit
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # torch's own op: in fp32 bit-identical to HF's x * rsqrt(mean(x^2) + eps) * weight (the
+        # HF-equivalence tests check it), fewer ops; in bf16/fp16 it rounds once where HF rounds twice.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -64,21 +62,21 @@ class Rotary(nn.Module):
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # [max_pos, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)  # [max_pos, D]
-        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+        # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin exactly
+        # (a sign flip does not round), one op fewer per layer
+        half = inv_freq.shape[0]
+        signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+        self.register_buffer("signed_sin", signed * attn_scale, persistent=False)  # [max_pos, D]
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the batch's positions; computed once per forward, used by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        """cos, signed sin [T, 1, D] for the batch's positions; computed once per forward, used by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q [T, Hq, D], k [T, Hkv, D], cos/sin [T, 1, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE, x * cos + rotate_half(x) * sin. x [T, H, D] (q and k heads together), cos/signed_sin [T, 1, D]."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -93,14 +91,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 * Hkv, D]
+        q_heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:
+            qk = qkv[:, :q_heads + kv_heads]
+        else:
+            qk = torch.cat([self.q_norm(qkv[:, :q_heads]), self.k_norm(qkv[:, q_heads:q_heads + kv_heads])], dim=1)
+        q, k = apply_rope(qk, *rope).split([q_heads, kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
         out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -141,6 +139,8 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
+        self.quantized_head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -161,7 +161,9 @@ class CausalLM(nn.Module):
         return self.norm(x), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()  # [rows, vocab]
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden).float()  # [rows, vocab]
+        return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

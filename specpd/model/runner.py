@@ -17,6 +17,8 @@ from specpd.core import ScheduledBatch
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
+from specpd.model.quant import check_config as check_quant_config
+from specpd.model.quant import quantize_model
 from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, process_logits,
                                   sample)
 
@@ -42,11 +44,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        check_quant_config(config)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-model setting
         torch.manual_seed(config.seed)
         with torch.device("meta"):
             model = CausalLM(self.model_config, max_model_len)
         model = model.to_empty(device=self.device)
         model.load_weights(checkpoint.weights)
+        # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
+        quantize_model(model, config.quantization)
         model = model.to(dtype=self.dtype).eval()
         # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
         model.rotary = Rotary(self.model_config, max_model_len).to(self.device)

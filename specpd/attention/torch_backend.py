@@ -131,7 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
         # fp32: fold each kv head's query heads into query rows, [B, Hkv, group * q_max, D] (row g * q_max + j),
         # ~1.4x faster than enable_gqa's repeated K/V on CPU; bf16 gains nothing from it
         qf = q.reshape(b, -1, group * q_max, d)
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask.repeat(1, 1, group, 1), scale=self.sm_scale)
+        mask = mask if q_max == 1 else mask.repeat(1, 1, group, 1)  # one query row broadcasts as is
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.sm_scale)
         return out.view(b, hq, q_max, d)
 
 

@@ -27,6 +27,11 @@ The LM head is int8 in both modes. The default GGUF stores it (the tied embeddin
 re-quantizing it to 4 bits is the one lossy step that shows: greedy output of SmolLM2 drifted from
 dense bf16 after 3-8 tokens with an int4 head, after 8-32 (like bf16 vs fp32) with int8, at about
 the same decode speed. The embedding lookup keeps the full-precision table.
+
+Prefill chunks (>= DENSE_ROWS rows) do not use the kernels, which are 2x slower than a dense fp32
+GEMM at 512 rows on one core: they dequantize the same weight values to fp32 per call and use
+F.linear. So int4 keeps its codes twice (the kernel's blocked packing and plain nibbles), about
+1 byte per weight plus scales: half of bf16, not a quarter; int8 keeps 1 byte per weight.
 """
 from __future__ import annotations
 
@@ -129,9 +134,11 @@ class Int4Linear(QuantLinear):
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
-        codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k // INT4_GROUP, INT4_GROUP)
+        w = torch.empty(n, k // 2, 2)  # unpacked straight into fp32 and scaled in place: 3x faster than stack()
+        w[..., 0], w[..., 1] = self.nibbles & 15, self.nibbles >> 4
         scale, zero = self.scale_zeros.float().transpose(0, 1).unbind(-1)  # [N, G] each
-        return ((codes.float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(n, k)
+        low = (zero - 8 * scale).unsqueeze(-1)  # the value of code 0
+        return w.view(n, k // INT4_GROUP, INT4_GROUP).mul_(scale.unsqueeze(-1)).add_(low).view(n, k)
 
 
 # -- int8 ----------------------------------------------------------------------------------------

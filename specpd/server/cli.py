@@ -33,7 +33,8 @@ ROLES = ("unified", "prefill", "decode", "router")  # PD roles: specpd/disagg
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
             "attention_backend": ("torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
-            "speculative_algorithm": ("none", "eagle", "eagle3", "mtp", "replay")}
+            "speculative_algorithm": ("none", "eagle", "eagle3", "mtp", "replay"),
+            "quantization": ("none", "int4", "int8")}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
          "seed": "engine seed (generate: also the request's sampling seed)",
          "max_model_len": "context length (default: the model's)",

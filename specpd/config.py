@@ -92,6 +92,7 @@ class SchedulerConfig:
 
 
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "replay")
+DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ class SpecConfig:
     spec_num_steps: int = 4  # draft depth S
     spec_topk: int = 1  # K
     spec_num_draft_tokens: int | None = None  # T, root included; default S + 1 for a chain, 8 for a tree
+    # PD only: where the draft extend over the prompt runs. "both": P runs it and hands D the draft KV,
+    # first-round top-k and draft hidden; "decode-only": P hands D the target hidden states and D runs it.
+    draft_mode: str = "both"
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +121,8 @@ class SpecConfig:
     def validate(self) -> "SpecConfig":
         if self.speculative_algorithm not in SPEC_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {SPEC_ALGORITHMS}, got {self.speculative_algorithm!r}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.spec_num_steps < 1 or self.spec_topk < 1:
             raise ValueError("spec_num_steps and spec_topk must be >= 1")
         if not 2 <= self.num_draft_tokens:

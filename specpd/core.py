@@ -119,6 +119,8 @@ class Request:
     spec_committed_tokens: int = 0  # tokens committed by verify forwards (bonus included, stops applied)
     spec_state: object = None  # the proposer's per-request draft state (owned by the runner)
     prefill_only: bool = False  # PD prefill role: stop after the handoff token y0, keep the pages
+    handoff_hidden: list | None = None  # PD prefill, draft-on-decode-only: the prompt's target features
+    sampler_state: object = None  # PD prefill: the request generator's state after y0 (seeded sampling)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property

@@ -106,6 +106,7 @@ class HandoffRecord:
     draft_mode: str = "none"
     top_logprob_ids: torch.Tensor | None = None  # [num_top] int64, when logprobs were asked for
     top_logprobs: torch.Tensor | None = None  # [num_top] float32
+    sampler_state: torch.Tensor | None = None  # uint8: the seeded request generator's state after y0
     # draft-on-both: P ran the draft extend over the prompt
     draft_topk_ids: torch.Tensor | None = None  # [topk] int64, first-round proposal
     draft_topk_probs: torch.Tensor | None = None  # [topk] float32
@@ -125,6 +126,8 @@ class HandoffRecord:
             raise ValueError(f"target_hidden has {self.target_hidden.shape[0]} rows, prompt_len is {self.prompt_len}")
         if (self.draft_topk_ids is None) != (self.draft_topk_probs is None):
             raise ValueError("draft_topk_ids and draft_topk_probs come together")
+        if (self.top_logprob_ids is None) != (self.top_logprobs is None):
+            raise ValueError("top_logprob_ids and top_logprobs come together")
         return self
 
 

@@ -7,12 +7,17 @@ A request's life on P, keyed by its `bootstrap_room`:
   2. waiting queue: `engine.add_request(prefill_only=True)`; the engine batches prefills with the normal
      scheduler, samples y0 at position N-1 and keeps the pages (`engine.take_handoff`).
   3. send: the prompt's pages are submitted to the transfer backend (one descriptor per page into D's
-     destination pages; with a draft model the draft pool's pages too), and the `HandoffRecord` (y0, logprob,
-     N, params; draft-on-both: the draft's first-round top-k ids/probs and hidden) goes to D right away.
+     destination pages; draft-on-both: the draft pool's pages too), and the `HandoffRecord` (y0, logprob and
+     top logprobs, N, params, the seeded generator's state; draft-on-both: the draft's first-round top-k
+     ids/probs and hidden; draft-on-decode-only: the prompt's target features, captured by the engine, which
+     then loads no draft) goes to D right away.
   4. inflight queue: the transfer handle is polled every step; when done P sends `TransferDone`
      (or `TransferFailed`), then
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
      "handoff", or an error -> the router drops D's request).
+A room is unique on P: a second request or a second D's DecodeRegister for a room in use is refused
+(HTTP 400 / TransferFailed to that D) and the first owner goes on. A room no D claims within
+`bootstrap_timeout_s` fails. Heartbeats from D are answered (D uses them to notice a dead P).
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
 there; a room in flight finishes its transfer first (D owns the destination pages).
 """
@@ -20,16 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import zmq
 
-from specpd.core import RequestOutput, SamplingParams
+from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
-from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, KVDestination,
-                                    MessageError, TransferDone, TransferFailed, check_compatible, recv_message,
-                                    send_message)
+from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
+                                    KVDestination, MessageError, TransferDone, TransferFailed, check_compatible,
+                                    recv_message, send_message)
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo, DisaggWorker
 
@@ -45,13 +51,16 @@ class _Room:
     identity: bytes | None = None  # D's DEALER, once registered
     destination: KVDestination | None = None
     handle: object = None  # TransferHandle while in flight
+    added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
 
 
 class PrefillWorker(DisaggWorker):
     role = "prefill"
 
-    def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998):
+    def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998,
+                 bootstrap_timeout_s: float = 300.0):
         super().__init__(engine, transfer_backend, host)
+        self.bootstrap_timeout_s = bootstrap_timeout_s
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         port = self.control.bind_to_random_port(f"tcp://{host}")
@@ -59,7 +68,8 @@ class PrefillWorker(DisaggWorker):
         self.poller.register(self.control, zmq.POLLIN)
         self.bootstrap = BootstrapServer(host, bootstrap_port, Route(self.endpoint, transfer_backend,
                                                                      dataclasses.asdict(self.peer_config))).start()
-        self._registered: dict[int, tuple[bytes, DecodeRegister]] = {}  # room -> D's identity, register
+        # room -> (D's identity, its DecodeRegister, monotonic arrival): D may register before our HTTP request
+        self._registered: dict[int, tuple[bytes, DecodeRegister, float]] = {}
         self._destinations: dict[int, KVDestination] = {}  # room -> KVDestination arrived before the request
         self.bootstrap_queue: dict[int, _Room] = {}
         self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
@@ -69,7 +79,23 @@ class PrefillWorker(DisaggWorker):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         info = self._take_expected(request_id)
         self.engine.validate_request(request_id, prompt_token_ids, params)
-        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info)
+        if self._room_in_use(info.room):
+            raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this prefill server")
+        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info,
+                                                added_at=time.monotonic())
+
+    def _room_in_use(self, room: int) -> bool:
+        return (room in self.bootstrap_queue or room in self.inflight
+                or any(r.info.room == room for r in self.prefilling.values()))
+
+    def _owner(self, room: int) -> bytes | None:
+        """The identity of the D that registered `room` first (a later duplicate is refused)."""
+        if room in self._registered:
+            return self._registered[room][0]
+        for r in list(self.prefilling.values()) + list(self.inflight.values()):
+            if r.info.room == room:
+                return r.identity
+        return None
 
     def abort_request(self, request_id: str) -> None:
         for room, r in list(self.bootstrap_queue.items()):
@@ -81,8 +107,11 @@ class PrefillWorker(DisaggWorker):
         if request_id in self.prefilling:
             self.engine.abort_request(request_id)
 
-    def disagg_busy(self) -> bool:
-        return bool(self.bootstrap_queue or self.inflight)
+    def disagg_busy(self) -> bool:  # a registered room keeps the loop polling (and answering heartbeats)
+        return bool(self.bootstrap_queue or self.inflight or self._registered)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "bootstrap_port": self.bootstrap.port}
 
     def queue_sizes(self) -> dict:
         return {"pd_bootstrap": len(self.bootstrap_queue), "pd_prefilling": len(self.prefilling),
@@ -102,15 +131,26 @@ class PrefillWorker(DisaggWorker):
             self._on_message(identity, msg)
 
     def _on_message(self, identity: bytes, msg) -> None:
+        if isinstance(msg, Heartbeat):
+            send_message(self.control, Heartbeat(self.endpoint, msg.seq, time.time()), identity=identity)
+            return
+        owner = self._owner(msg.room) if hasattr(msg, "room") else None
+        if owner is not None and owner != identity:  # another D holds this room: refuse, leave the owner be
+            if isinstance(msg, DecodeRegister):
+                send_message(self.control, TransferFailed(msg.room, f"room {msg.room} is already in use on the "
+                                                                    f"prefill server by another decode server"),
+                             identity=identity)
+            return
         if isinstance(msg, DecodeRegister):
             try:
                 check_compatible(self.peer_config, msg.config)
             except ConfigMismatch as e:
                 send_message(self.control, TransferFailed(msg.room, str(e)), identity=identity)
                 return
-            self._registered[msg.room] = (identity, msg)
+            self._registered[msg.room] = (identity, msg, time.monotonic())
         elif isinstance(msg, KVDestination):
-            self._destinations[msg.room] = msg
+            if owner is not None:  # D registers first on the same socket; anything else is a stray
+                self._destinations[msg.room] = msg
         elif isinstance(msg, Abort):
             # a room in the engine or in flight finishes its transfer: TransferDone tells D it may free
             if any(r.info.room == msg.room for r in self.prefilling.values()) or msg.room in self.inflight:
@@ -140,6 +180,18 @@ class PrefillWorker(DisaggWorker):
         return passed
 
     def advance(self) -> None:
+        now = time.monotonic()
+        for room_id, room in list(self.bootstrap_queue.items()):
+            if now - room.added_at > self.bootstrap_timeout_s:  # D never registered the room
+                del self.bootstrap_queue[room_id]
+                self._drop_room_state(room_id)
+                self._final(room.request_id, len(room.prompt_token_ids), "abort",
+                            error=f"no decode server claimed room {room_id} within {self.bootstrap_timeout_s:g} s")
+        for room_id, (identity, _, at) in list(self._registered.items()):
+            if room_id not in self.bootstrap_queue and now - at > self.bootstrap_timeout_s:  # request never came
+                self._drop_room_state(room_id)
+                send_message(self.control, TransferFailed(room_id, "the prefill server never received the "
+                                                                   "request for this room"), identity=identity)
         for room_id in [r for r in self.bootstrap_queue if r in self._registered and r in self._destinations]:
             room = self.bootstrap_queue.pop(room_id)
             room.identity = self._registered.pop(room_id)[0]
@@ -175,14 +227,21 @@ class PrefillWorker(DisaggWorker):
             self.engine.release_handoff(room.request_id)
             self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
             return
+        top = {}
+        if lp is not None and lp.top:
+            top = {"top_logprob_ids": torch.tensor([t for t, _ in lp.top], dtype=torch.int64),
+                   "top_logprobs": torch.tensor([v for _, v in lp.top], dtype=torch.float32)}
         record = HandoffRecord(room=room.info.room, request_id=room.request_id, prompt_len=req.num_prompt_tokens,
                                handoff_token=req.output_token_ids[0],
                                handoff_logprob=lp.logprob if lp is not None else None,
-                               sampling_params=room.params, **self._draft_fields(req)).validate()
+                               sampling_params=room.params, sampler_state=req.sampler_state, **top,
+                               **self._draft_fields(req)).validate()
         send_message(self.control, record, identity=room.identity)
         self.inflight[room.info.room] = room
 
     def _draft_fields(self, req) -> dict:
+        if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features
+            return {"draft_mode": "decode_only", "target_hidden": torch.cat(req.handoff_hidden)}
         if self.peer_config.draft_mode != "both":
             return {}
         state = req.spec_state  # DraftState from the draft extend over the prompt

@@ -1,8 +1,9 @@
 """The PD router: one OpenAI endpoint in front of a prefill server (P) and a decode server (D). No torch.
 
 A request's life in the router:
-  1. Draw a random 63-bit `bootstrap_room`; add `bootstrap_host`, `bootstrap_port` (P's bootstrap server)
-     and the room to the JSON body.
+  1. Pick a prefill and a decode server at random (`--prefill URL[,URL...] --decode URL[,URL...]`), draw a
+     random 63-bit `bootstrap_room`; add `bootstrap_host`, `bootstrap_port` (P's bootstrap server, read once
+     from P's /server_info; --bootstrap-port when P does not say) and the room to the JSON body.
   2. Send it to P (as stream=false: P answers once the KV is handed off) and to D (as the client asked)
      at the same time.
   3. Return D's answer: streamed through chunk by chunk, or the whole body.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from contextlib import asynccontextmanager
 from urllib.parse import urlparse
@@ -30,11 +32,18 @@ def _error(message: str, code: int) -> JSONResponse:
                         status_code=code)
 
 
-def create_router_app(prefill_url: str, decode_url: str, bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
-                      bootstrap_host: str | None = None) -> FastAPI:
-    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
-    bootstrap_host = bootstrap_host or urlparse(prefill_url).hostname
-    state: dict = {}
+def _urls(spec: str | list[str]) -> list[str]:
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    urls = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not urls:
+        raise ValueError(f"no server URL in {spec!r}")
+    return urls
+
+
+def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
+                      bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, bootstrap_host: str | None = None) -> FastAPI:
+    prefill_urls, decode_urls = _urls(prefill_url), _urls(decode_url)
+    state: dict = {"bootstrap": {}}  # P url -> (bootstrap host, port)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,6 +55,20 @@ def create_router_app(prefill_url: str, decode_url: str, bootstrap_port: int = D
 
     app = FastAPI(title="specpd router", lifespan=lifespan)
 
+    async def bootstrap_address(url: str) -> tuple[str, int]:
+        known = state["bootstrap"].get(url)
+        if known is None:
+            port = bootstrap_port
+            try:
+                resp = await state["client"].get(url + "/server_info", timeout=10.0)
+                port = int(resp.json().get("bootstrap_port") or port)
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass  # P unreachable now: its POST fails below with a clear error; ask again next time
+            else:
+                state["bootstrap"][url] = (bootstrap_host or urlparse(url).hostname, port)
+            return bootstrap_host or urlparse(url).hostname, port
+        return known
+
     async def generate(raw: Request, path: str):
         try:
             body = json.loads(await raw.body())
@@ -53,8 +76,9 @@ def create_router_app(prefill_url: str, decode_url: str, bootstrap_port: int = D
             return _error(f"body is not JSON: {e}", 400)
         if not isinstance(body, dict):
             return _error("body must be a JSON object", 400)
-        body.update(bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port,
-                    bootstrap_room=random.getrandbits(63))
+        prefill_url, decode_url = random.choice(prefill_urls), random.choice(decode_urls)
+        host, port = await bootstrap_address(prefill_url)
+        body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=random.getrandbits(63))
         client: httpx.AsyncClient = state["client"]
         prefill = asyncio.ensure_future(client.post(prefill_url + path, json={**body, "stream": False}))
 
@@ -135,22 +159,24 @@ def create_router_app(prefill_url: str, decode_url: str, bootstrap_port: int = D
 
     @app.get("/v1/models")
     async def models():
-        resp = await state["client"].get(decode_url + "/v1/models")
+        resp = await state["client"].get(decode_urls[0] + "/v1/models")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     @app.get("/health")
     async def health():
         client: httpx.AsyncClient = state["client"]
-        try:
-            p, d = await asyncio.gather(client.get(prefill_url + "/health"), client.get(decode_url + "/health"))
-        except httpx.HTTPError as e:
-            return _error(f"a backend is unreachable: {e!r}", 503)
-        if p.status_code != 200 or d.status_code != 200:
-            return _error(f"prefill health {p.status_code}, decode health {d.status_code}", 503)
+        urls = prefill_urls + decode_urls
+        results = await asyncio.gather(*(client.get(u + "/health", timeout=10.0) for u in urls),
+                                       return_exceptions=True)
+        bad = [f"{u}: {r!r}" if isinstance(r, Exception) else f"{u}: health {r.status_code}"
+               for u, r in zip(urls, results) if isinstance(r, Exception) or r.status_code != 200]
+        if bad:
+            return _error("backend(s) not healthy: " + "; ".join(bad), 503)
         return {"status": "ok"}
 
     @app.get("/server_info")
     async def server_info():
-        return {"role": "router", "prefill": prefill_url, "decode": decode_url, "bootstrap_port": bootstrap_port}
+        return {"role": "router", "pid": os.getpid(), "prefill": prefill_urls, "decode": decode_urls,
+                "bootstrap_port": bootstrap_port}
 
     return app

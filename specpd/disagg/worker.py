@@ -7,6 +7,7 @@ operation happens on that one thread. The HTTP handler (loop thread) only calls 
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -36,17 +37,21 @@ class BootstrapInfo:
         return cls(body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"])
 
 
-def draft_mode(engine) -> str:
-    """"both" when a draft model runs: P's draft extend over the prompt travels with the handoff."""
-    spec = engine.spec_runner
-    return "both" if spec is not None and spec.proposer.needs_hidden else "none"
+def draft_mode(config) -> str:
+    """PeerConfig.draft_mode: where the draft extend over the prompt runs (messages.DRAFT_MODES).
+
+    "none" without a draft model (no speculation, or the replay drafter, which keeps no per-prompt state)."""
+    spec = config.spec
+    if not spec.enabled or spec.speculative_algorithm == "replay":
+        return "none"
+    return "both" if spec.draft_mode == "both" else "decode_only"
 
 
 def page_pools(engine) -> list:
-    """Pools moved per page id: target KV, then the draft's KV (same page ids, DESIGN.md §3)."""
+    """Pools moved per page id: target KV, then, draft-on-both, the draft's KV (same page ids, DESIGN.md §3)."""
     pools = [engine.runner.kv_pool.buffer]  # [num_pages, layers, 2, page_size, kv_heads, head_dim]
     draft_pool = getattr(engine.spec_runner.proposer, "pool", None) if engine.spec_runner else None
-    if draft_pool is not None:
+    if draft_pool is not None and draft_mode(engine.config) == "both":
         pools.append(draft_pool.buffer)
     return pools
 
@@ -54,7 +59,7 @@ def page_pools(engine) -> list:
 def peer_config(engine) -> PeerConfig:
     cfg = engine.config
     return PeerConfig(model=cfg.model, draft_model=cfg.spec.draft_model, page_size=cfg.cache.page_size,
-                      dtype=cfg.dtype, spec_algorithm=cfg.spec.speculative_algorithm, draft_mode=draft_mode(engine))
+                      dtype=cfg.dtype, spec_algorithm=cfg.spec.speculative_algorithm, draft_mode=draft_mode(cfg))
 
 
 class DisaggWorker:
@@ -99,7 +104,8 @@ class DisaggWorker:
         return self.engine.total_pages
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.queue_sizes()}
+        return {**self.engine.stats(), **self.queue_sizes(), "transfer_backend": self.transfer_backend,
+                "peer_config": dataclasses.asdict(self.peer_config)}
 
     def queue_sizes(self) -> dict:
         return {}

@@ -38,14 +38,29 @@ def draft_class(algorithm: str) -> type[DraftModel]:
     return getattr(importlib.import_module(module), cls)
 
 
-def read_draft_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """-> (config.json dict, {published key: tensor}) from a directory or a weights file."""
+def read_draft_config(path: str) -> dict[str, Any]:
+    """config.json of a draft checkpoint (a directory or a weights file beside its config.json)."""
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
     config_file = os.path.join(directory, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json for draft checkpoint {path!r}")
     with open(config_file, encoding="utf-8") as f:
-        config = json.load(f)
+        return json.load(f)
+
+
+def draft_feature_layers(path: str, algorithm: str, num_target_layers: int) -> tuple[int, ...]:
+    """Target layers whose inputs the draft consumes (EAGLE-3's fused aux layers); () = the final hidden.
+
+    What a prefill server captures for draft-on-decode-only without loading the draft itself."""
+    if draft_class(algorithm).algorithm != "eagle3":
+        return ()
+    from specpd.draft.eagle3 import resolve_aux_layer_ids
+    return resolve_aux_layer_ids(read_draft_config(path), num_target_layers)
+
+
+def read_draft_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """-> (config.json dict, {published key: tensor}) from a directory or a weights file."""
+    config = read_draft_config(path)
     if not os.path.isdir(path):
         files = [path]
     elif os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):

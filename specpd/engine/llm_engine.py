@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from specpd.config import EngineConfig, ModelConfig
 from specpd.core import InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
+from specpd.draft.proposer import DraftExtend
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.scheduler import Scheduler
 from specpd.engine.spec_runner import build_spec_runner
@@ -28,7 +31,9 @@ from specpd.model.runner import ModelRunner
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, checkpoint=None):
+    def __init__(self, config: EngineConfig, checkpoint=None, with_draft: bool = True):
+        """with_draft=False (a PD prefill server in draft-on-decode-only mode): no draft model is loaded;
+        prefill-only requests keep the target features the draft consumes for the handoff instead."""
         self.config = config
         checkpoint = checkpoint or load_checkpoint(config.model)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
@@ -39,7 +44,11 @@ class LLMEngine:
         spec = config.spec.validate()
         self.runner = ModelRunner(config, checkpoint, self.max_model_len)
         pool = self.runner.kv_pool
-        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled else None
+        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
+        if spec.enabled and not with_draft and spec.speculative_algorithm != "replay":
+            from specpd.draft.loader import draft_feature_layers
+            self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
+                                                               self.model_config.num_layers)
         self.decode_width = self.spec_runner.decode_width if self.spec_runner else 1
         self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width)
         eos = set(self.model_config.eos_token_ids)
@@ -112,17 +121,29 @@ class LLMEngine:
 
     def add_prebuilt_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              pages: list[int], handoff_token: int, handoff_logprob: TokenLogprob | None,
-                             draft_state=None) -> Request:
+                             draft_state=None, target_hidden: torch.Tensor | None = None,
+                             sampler_state: torch.Tensor | None = None) -> Request:
         """Commit P's handoff: `pages` (allocated from this engine's allocator) hold KV for positions
-        0..N-1, y0 is appended (stop checks apply) and has no KV yet; the next step decodes it. No forward.
-        With speculation `draft_state` is the proposer's state for the first round."""
-        if self.spec_runner is not None and draft_state is None and self.spec_runner.proposer.needs_hidden:
-            raise NotImplementedError("PD decode with a draft model needs P's draft state (draft-on-both); "
-                                      "draft-on-decode-only is not implemented")
+        0..N-1, y0 is appended (stop checks apply) and has no KV yet; the next step decodes it. No target
+        forward. With speculation: draft-on-both, `draft_state` is P's first-round proposal (the draft KV
+        came in the same pages); draft-on-decode-only, `target_hidden` [N, H_in] are the prompt's target
+        features and the draft extend over the prompt runs here, exactly as the colocated engine runs it
+        after its prefill. `sampler_state`: the request generator's state on P after sampling y0."""
+        needs_hidden = self.spec_runner is not None and self.spec_runner.proposer.needs_hidden
+        if needs_hidden and draft_state is None and target_hidden is None:
+            raise ValueError(f"request {request_id!r}: a handoff to a speculative decode server needs P's "
+                             f"draft state (draft-on-both) or the prompt's target hidden states (decode-only)")
+        if target_hidden is not None and target_hidden.shape[0] != len(prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: target_hidden has {target_hidden.shape[0]} rows for a "
+                             f"{len(prompt_token_ids)}-token prompt")
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         req.pages = list(pages)
         req.num_computed_tokens = len(prompt_token_ids)
         req.spec_state = draft_state
+        if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
+            gen.set_state(sampler_state)
+        if needs_hidden and draft_state is None:
+            self._draft_extend_prompt(req, handoff_token, target_hidden)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         self.scheduler.add_running(req)
@@ -133,6 +154,19 @@ class LLMEngine:
                else self._output(req, new_ids, new_lps, final=False))
         self._pending_outputs.append(out)
         return req
+
+    def _draft_extend_prompt(self, req: Request, handoff_token: int, target_hidden: torch.Tensor) -> None:
+        """Draft-on-decode-only: the draft extend the colocated engine runs after each prefill chunk
+        (SpecRunner._prefill: tokens x_{s+1}..x_{s+n}, y0 last, with the target features of s..s+n-1)."""
+        n = len(req.prompt_token_ids)
+        shifted = req.prompt_token_ids[1:] + [handoff_token]
+        hidden = target_hidden.to(self.runner.device)
+        chunk = self.config.scheduler.chunked_prefill_size or n
+        with torch.inference_mode():
+            for start in range(0, n, chunk):
+                end = min(n, start + chunk)
+                self.spec_runner.proposer.extend([DraftExtend(req, start, shifted[start:end], hidden[start:end],
+                                                              at_end=end == n)])
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)
@@ -264,6 +298,8 @@ class LLMEngine:
         self._handoffs[req.request_id] = req
         self._detok.pop(req.request_id, None)
         draft_state = req.spec_state  # the proposer's first-round proposal: it travels to D (draft-on-both)
+        if req.params.seed is not None:  # D's generator continues from here: seeded PD == colocated
+            req.sampler_state = self.runner.generator_for(req).get_state()
         (self.spec_runner or self.runner).release(req)
         req.spec_state = draft_state
         return RequestOutput(req.request_id, list(req.output_token_ids), "", list(req.output_token_ids), "",

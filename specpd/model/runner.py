@@ -65,6 +65,9 @@ class ModelRunner:
         self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
         self.shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        # PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these target
+        # layers' inputs; (): the final hidden) of prefill-only requests for the handoff. None: keep nothing.
+        self.handoff_capture: tuple[int, ...] | None = None
 
     # -- per-request state -----------------------------------------------------------------
     def generator_for(self, request) -> torch.Generator | None:
@@ -78,6 +81,17 @@ class ModelRunner:
 
     def release(self, request) -> None:
         self._generators.pop(request.request_id, None)
+
+    @staticmethod
+    def _keep_handoff_features(batch: ScheduledBatch, features: torch.Tensor) -> None:
+        offset = 0
+        for it in batch.items:
+            req = it.request
+            if req.prefill_only:
+                if it.start == 0 or req.handoff_hidden is None:  # a recompute after preemption starts over
+                    req.handoff_hidden = []
+                req.handoff_hidden.append(features[offset:offset + it.num_tokens].clone())
+            offset += it.num_tokens
 
     # -- one step --------------------------------------------------------------------------
     def build_inputs(self, batch: ScheduledBatch):
@@ -99,7 +113,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> StepResult:
         input_ids, positions, meta = self.build_inputs(batch)
         self.backend.plan(meta)
-        hidden, _ = self.model(input_ids, positions, self.backend, meta)
+        capture = self.handoff_capture
+        hidden, captured = self.model(input_ids, positions, self.backend, meta, capture_layers=capture or ())
+        if capture is not None:
+            self._keep_handoff_features(batch, torch.cat(captured, dim=-1) if capture else hidden)
         rows_idx: list[int] = []
         rows: list[SamplingRow] = []
         offset = 0

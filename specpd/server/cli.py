@@ -34,12 +34,15 @@ _CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
             "attention_backend": ("torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
             "speculative_algorithm": ("none", "eagle", "eagle3", "mtp", "replay"),
-            "quantization": ("none", "int4", "int8")}
+            "quantization": ("none", "int4", "int8"),
+            "draft_mode": ("both", "decode-only")}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
          "seed": "engine seed (generate: also the request's sampling seed)",
          "max_model_len": "context length (default: the model's)",
          "num_pages": "KV pages to allocate (overrides --kv-cache-memory-mb)",
-         "chunked_prefill_size": "largest prefill chunk one request may take in a step"}
+         "chunked_prefill_size": "largest prefill chunk one request may take in a step",
+         "draft_mode": "PD with a draft model: 'both' (P runs the draft extend and sends the draft KV) or "
+                       "'decode-only' (P sends the target hidden states, D runs the draft extend)"}
 
 
 # -- engine flags from the config dataclasses ------------------------------------------------
@@ -121,13 +124,17 @@ def serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     logger.info("loading %s", config.model)
-    engine = LLMEngine(config)
+    # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
+    engine = LLMEngine(config, with_draft=not (args.role == "prefill" and config.spec.draft_mode == "decode-only"))
     if args.role == "prefill":
         from specpd.disagg.prefill import PrefillWorker
-        engine = PrefillWorker(engine, args.transfer_backend, args.host, args.bootstrap_port)
+        engine = PrefillWorker(engine, args.transfer_backend, args.host, args.bootstrap_port,
+                               bootstrap_timeout_s=args.pd_bootstrap_timeout)
     elif args.role == "decode":
         from specpd.disagg.decode import DecodeWorker
-        engine = DecodeWorker(engine, args.transfer_backend, args.host)
+        engine = DecodeWorker(engine, args.transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
+                              prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
+                              heartbeat_timeout_s=args.pd_heartbeat_timeout)
     app = create_app(engine, role=args.role)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
@@ -221,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "server's (default: 8998)")
     pd.add_argument("--prefill", metavar="URL", help="router: the prefill server, e.g. http://127.0.0.1:8100")
     pd.add_argument("--decode", metavar="URL", help="router: the decode server, e.g. http://127.0.0.1:8200")
+    pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",
+                    help="prefill: fail a request no decode server claims within S seconds (default: 300)")
+    pd.add_argument("--pd-prefill-timeout", type=float, default=300.0, metavar="S",
+                    help="decode: fail a request whose handoff record has not come S seconds after the pages "
+                         "were offered (waiting for prefill) (default: 300)")
+    pd.add_argument("--pd-transfer-timeout", type=float, default=60.0, metavar="S",
+                    help="decode: fail a request whose KV has not landed S seconds after its handoff record "
+                         "(waiting for transfer) (default: 60)")
+    pd.add_argument("--pd-heartbeat-timeout", type=float, default=10.0, metavar="S",
+                    help="decode: a prefill server silent for S seconds while it owes rooms is dead (default: 10)")
+    pd.add_argument("--pd-abort-timeout", type=float, default=30.0, metavar="S",
+                    help="decode: free an aborted room's pages after S seconds without the prefill server's "
+                         "confirmation (a frozen P could still write) (default: 30)")
     add_engine_args(p)
     p.set_defaults(func=serve)
 

@@ -32,9 +32,37 @@ def spec_model_dir(tmp_path_factory):
     return str(path)
 
 
-def make_engine(model_dir, page_size=4, spec=None):
+def make_engine(model_dir, page_size=4, spec=None, with_draft=True):
     return LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=page_size, num_pages=64),
-                                  scheduler=SchedulerConfig(chunked_prefill_size=8), spec=spec or SpecConfig()))
+                                  scheduler=SchedulerConfig(chunked_prefill_size=8), spec=spec or SpecConfig()),
+                     with_draft=with_draft)
+
+
+def make_workers(model_dir, spec=None, page_size=4, **decode_kwargs):
+    """P and D over tcp; in draft-on-decode-only mode P loads no draft (as `specpd serve` builds it)."""
+    from specpd.disagg.decode import DecodeWorker
+    from specpd.disagg.prefill import PrefillWorker
+    decode_only = spec is not None and spec.draft_mode == "decode-only"
+    p = PrefillWorker(make_engine(model_dir, page_size, spec, with_draft=not decode_only), "tcp",
+                      bootstrap_port=free_port())
+    d = DecodeWorker(make_engine(model_dir, page_size, spec), "tcp", **decode_kwargs)
+    return p, d
+
+
+FIRST_LOGPROB: dict = {}  # request id -> the logprob entry of its first output token (run_pd / run_unified)
+
+
+def run_unified(engine, prompts, params) -> list:
+    final = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"u{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_logprobs and out.request_id not in FIRST_LOGPROB:
+                FIRST_LOGPROB[out.request_id] = out.new_logprobs[0]
+            if out.finished:
+                final[out.request_id] = out
+    return [final[f"u{i}"] for i in range(len(prompts))]
 
 
 def run_pd(p, d, prompts, params, room_base=1000):
@@ -51,6 +79,8 @@ def run_pd(p, d, prompts, params, room_base=1000):
         for worker in (p, d):
             for out in worker.step():
                 assert out.error is None, out.error
+                if out.new_logprobs and out.request_id not in FIRST_LOGPROB:
+                    FIRST_LOGPROB[out.request_id] = out.new_logprobs[0]
                 if out.finished:
                     final[out.request_id] = out
     assert all(final[f"p{i}"].finish_reason == "handoff" for i in range(len(prompts)))
@@ -131,36 +161,151 @@ def record_trees(engine) -> dict:
     return trees
 
 
+@pytest.mark.parametrize("mode", ["both", "decode-only"])
 @pytest.mark.parametrize("algorithm,topk,num_tokens", [("eagle", 1, None), ("eagle3", 3, 8), ("mtp", 1, None)])
-def test_draft_on_both_keeps_acceptance(spec_model_dir, tmp_path, algorithm, topk, num_tokens):
-    """P's draft KV (draft pool pages) and first-round proposal travel: output AND acceptance equal unified."""
-    from specpd.disagg.decode import DecodeWorker
-    from specpd.disagg.prefill import PrefillWorker
+def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, num_tokens, mode):
+    """Draft-on-both: P's draft KV (draft pool pages) and first-round proposal travel. Draft-on-decode-only:
+    P (no draft loaded) sends the prompt's target features and D runs the draft extend. Either way the output
+    AND the acceptance equal the unified engine's, proposal by proposal."""
     from specpd.draft.loader import random_draft_checkpoint
     cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
     random_draft_checkpoint(str(tmp_path), algorithm, cfg, seed=1)
     spec = SpecConfig(algorithm, draft_model=str(tmp_path), spec_num_steps=3, spec_topk=topk,
-                      spec_num_draft_tokens=num_tokens)
+                      spec_num_draft_tokens=num_tokens, draft_mode=mode)
     unified = make_engine(spec_model_dir, spec=spec)
     want_trees = record_trees(unified)
     expected = unified.generate(PROMPTS, GREEDY)
-    p = PrefillWorker(make_engine(spec_model_dir, spec=spec), "tcp", bootstrap_port=free_port())
-    d = DecodeWorker(make_engine(spec_model_dir, spec=spec), "tcp")
+    p, d = make_workers(spec_model_dir, spec)
     got_trees = record_trees(d.engine)
     try:
-        assert p.peer_config.draft_mode == "both" and len(p.backend.layouts) == 2
+        if mode == "both":
+            assert p.peer_config.draft_mode == "both" and len(p.backend.layouts) == 2
+        else:
+            assert p.peer_config.draft_mode == "decode_only" and p.engine.spec_runner is None
+            assert len(p.backend.layouts) == len(d.backend.layouts) == 1  # the draft KV is built on D
         final = run_pd(p, d, PROMPTS, GREEDY)
         got = [final[f"d{i}"] for i in range(len(PROMPTS))]
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
         assert [(o.spec_verify_count, o.spec_accepted_tokens) for o in got] == \
                [(o.spec_verify_count, o.spec_accepted_tokens) for o in expected]
-        # a random draft accepts ~nothing, so compare every proposal: depth 1 comes from P's top-k, deeper
-        # nodes from the transferred draft KV and hidden; a junk first round or missing KV changes them
+        # a random draft accepts ~nothing, so compare every proposal: depth 1 comes from the first-round
+        # top-k, deeper nodes from the prompt's draft KV and hidden; a junk first round or missing KV changes them
         assert {k: [t for t, _ in v] for k, v in got_trees.items()} == {k: [t for t, _ in v] for k, v in want_trees.items()}
         for prompt, rounds in want_trees.items():  # batch composition differs: fp32 noise only
             for (_, want_lp), (_, got_lp) in zip(rounds, got_trees[prompt]):
                 assert torch.allclose(got_lp, want_lp, atol=1e-3), (prompt, got_lp, want_lp)
         assert p.free_pages == 64 and d.free_pages == 64
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("mode", [None, "both", "decode-only"])
+def test_seeded_sampling_and_top_logprobs_match_unified(spec_model_dir, tmp_path, mode):
+    """D's request generator continues from P's state after y0: seeded sampling gives the unified tokens;
+    y0's top logprobs travel in the record."""
+    from specpd.draft.loader import random_draft_checkpoint
+    spec = None
+    if mode is not None:
+        random_draft_checkpoint(str(tmp_path), "eagle", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
+                                seed=1)
+        spec = SpecConfig("eagle", draft_model=str(tmp_path), spec_num_steps=3, draft_mode=mode)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True, logprobs=3)
+    FIRST_LOGPROB.clear()
+    expected = run_unified(make_engine(spec_model_dir, spec=spec), PROMPTS, params)
+    p, d = make_workers(spec_model_dir, spec)
+    try:
+        final = run_pd(p, d, PROMPTS, params)
+        got = [final[f"d{i}"] for i in range(len(PROMPTS))]
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert len({tuple(o.token_ids) for o in got}) == len(PROMPTS)
+        for i in range(len(PROMPTS)):
+            g, e = FIRST_LOGPROB[f"d{i}"], FIRST_LOGPROB[f"u{i}"]
+            assert len(g.top) == 3 and [t for t, _ in g.top] == [t for t, _ in e.top]
+            assert g.logprob == pytest.approx(e.logprob, abs=1e-5)
+        assert p.free_pages == 64 and d.free_pages == 64
+    finally:
+        p.close()
+        d.close()
+
+
+def test_duplicate_room_is_refused_and_the_first_owner_finishes(model_dir):
+    from specpd.core import InvalidRequest
+    from specpd.disagg.decode import DecodeWorker
+    from specpd.disagg.worker import BootstrapInfo
+    p, d = make_workers(model_dir)
+    d2 = DecodeWorker(make_engine(model_dir), "tcp")
+    expected = make_engine(model_dir).generate([PROMPTS[1]], GREEDY)[0].token_ids
+    try:
+        info = BootstrapInfo("127.0.0.1", p.bootstrap.port, 77)
+        p.expect("p0", info)
+        p.add_request("p0", PROMPTS[1], GREEDY)
+        d.bootstrap("d0", info)
+        d.add_request("d0", PROMPTS[1], GREEDY)
+        p.expect("p1", info)  # the same room again on P: refused, the first request untouched
+        with pytest.raises(InvalidRequest, match="room 77 is already in use"):
+            p.add_request("p1", PROMPTS[0], GREEDY)
+        d.bootstrap("d1", info)  # ... and on D
+        with pytest.raises(InvalidRequest, match="room 77 is already in use"):
+            d.add_request("d1", PROMPTS[0], GREEDY)
+        d.step()  # D registers room 77 with P first
+        p.step()
+        d2.bootstrap("x0", info)  # a second decode server claims the same room: P refuses it
+        d2.add_request("x0", PROMPTS[0], GREEDY)
+        final, deadline = {}, time.monotonic() + 30
+        while (p.has_unfinished_requests() or d.has_unfinished_requests() or d2.has_unfinished_requests()) \
+                and time.monotonic() < deadline:
+            for worker in (p, d, d2):
+                for out in worker.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        assert final["x0"].finish_reason == "abort" and "already in use" in final["x0"].error
+        assert final["p0"].finish_reason == "handoff" and final["d0"].error is None
+        assert final["d0"].token_ids == expected
+        assert p.free_pages == d.free_pages == d2.free_pages == 64
+    finally:
+        for w in (p, d, d2):
+            w.close()
+
+
+def test_a_dead_prefill_fails_its_rooms_fast_and_frees_the_pages(model_dir):
+    """P gone (its bootstrap port refuses): after the heartbeat timeout the client gets an error and the
+    pages come back at once, with no wait for the abort timeout."""
+    from specpd.disagg.worker import BootstrapInfo
+    p, d = make_workers(model_dir, heartbeat_timeout_s=0.5, abort_timeout_s=600)
+    try:
+        info = BootstrapInfo("127.0.0.1", p.bootstrap.port, 9)
+        d.bootstrap("d0", info)
+        d.add_request("d0", PROMPTS[1], GREEDY)  # P never gets its half: D waits for the handoff
+        d.step()
+        assert d.free_pages < 64 and d.queue_sizes()["pd_transfer"] == 1
+        p.close()
+        start, outs = time.monotonic(), []
+        while d.has_unfinished_requests() and time.monotonic() - start < 10:
+            outs += d.step()
+        assert time.monotonic() - start < 3
+        assert [o.finish_reason for o in outs] == ["abort"] and "is gone" in outs[0].error
+        assert d.free_pages == 64
+    finally:
+        d.close()
+
+
+def test_waiting_for_prefill_times_out(model_dir):
+    """P alive but the room never prefilled: the client hears after prefill_timeout_s; the pages follow once
+    P confirms nothing is in flight (here: P's bootstrap-timeout TransferFailed for the unknown room)."""
+    from specpd.disagg.worker import BootstrapInfo
+    p, d = make_workers(model_dir, prefill_timeout_s=0.5)
+    p.bootstrap_timeout_s = 1.0
+    try:
+        info = BootstrapInfo("127.0.0.1", p.bootstrap.port, 10)
+        d.bootstrap("d0", info)
+        d.add_request("d0", PROMPTS[1], GREEDY)
+        start, outs = time.monotonic(), []
+        while (d.has_unfinished_requests() or p.has_unfinished_requests()) and time.monotonic() - start < 10:
+            outs += d.step()
+            p.step()
+        assert [o.finish_reason for o in outs] == ["abort"] and "did not finish within 0.5 s" in outs[0].error
+        assert d.free_pages == 64 and p.free_pages == 64
     finally:
         p.close()
         d.close()

@@ -22,8 +22,9 @@ $(STAMP): requirements.txt pyproject.toml specpd/disagg/transfer/install_ibverbs
 	$(BIN)/python -m specpd.model.default
 	touch $@
 
+# a 1P1D cluster (prefill, decode, router as child processes) on $(PORT), $(PORT)+1, $(PORT)+2
 serve: install
-	$(BIN)/specpd serve --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+	$(BIN)/specpd serve --disagg 1p1d --model $(MODEL) --host 127.0.0.1 --port $(PORT) $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -48,6 +48,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        await asyncio.gather(*(bootstrap_address(u) for u in prefill_urls))  # learn them while P is fresh
         try:
             yield
         finally:

@@ -4,6 +4,7 @@
   specpd serve    --role prefill --port 8100 --bootstrap-port 8998 --transfer-backend tcp
   specpd serve    --role decode  --port 8200 --transfer-backend tcp
   specpd serve    --role router  --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+  specpd serve    --disagg 1p1d --port 8000 [engine flags]        P, D and the router as child processes
   specpd generate --model default --prompt TEXT [--chat] [--json] [engine flags]
                                                                 one request, in-process, then exit
   specpd train-draft --target MODEL --algorithm eagle3 --out DIR  train a draft (specpd/train/cli.py)
@@ -106,6 +107,9 @@ def _build(cls: type, path: tuple[str, ...], given: dict[tuple[str, ...], Any]):
 
 # -- serve -----------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
+    if args.disagg:  # a whole PD cluster as child processes (no torch in this one)
+        from specpd.server.cluster import run_cluster
+        return run_cluster(args, args.argv)
     import uvicorn
 
     if args.role == "router":  # no torch in this process
@@ -228,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "server's (default: 8998)")
     pd.add_argument("--prefill", metavar="URL", help="router: the prefill server, e.g. http://127.0.0.1:8100")
     pd.add_argument("--decode", metavar="URL", help="router: the decode server, e.g. http://127.0.0.1:8200")
+    pd.add_argument("--disagg", metavar="NpMd",
+                    help="run a PD cluster: N prefill + M decode servers and a router on --port (e.g. 1p1d)")
+    pd.add_argument("--prefill-port", type=int, help="--disagg: first prefill server's port (default: --port+1)")
+    pd.add_argument("--decode-port", type=int, help="--disagg: first decode server's port (default: --port+1+N)")
     pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",
                     help="prefill: fail a request no decode server claims within S seconds (default: 300)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=300.0, metavar="S",
@@ -264,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[argv.index("serve") + 1:] if "serve" in argv else argv
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

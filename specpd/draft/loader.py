@@ -38,6 +38,30 @@ def draft_class(algorithm: str) -> type[DraftModel]:
     return getattr(importlib.import_module(module), cls)
 
 
+HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")  # drafts shipped in the package
+DEFAULT_HEAD_PREFIX = "smollm2-135m-instruct-"  # + family: the heads trained for `--model default`
+
+
+def shipped_heads() -> list[str]:
+    """Families with a head for the default model under specpd/draft/heads/."""
+    if not os.path.isdir(HEADS_DIR):
+        return []
+    return sorted(n.removeprefix(DEFAULT_HEAD_PREFIX) for n in os.listdir(HEADS_DIR)
+                  if n.startswith(DEFAULT_HEAD_PREFIX) and os.path.isfile(os.path.join(HEADS_DIR, n, "config.json")))
+
+
+def resolve_draft_path(name: str | None, algorithm: str) -> str | None:
+    """`--draft-model default` -> the head shipped for the default model and this family; others as given."""
+    if name != "default":
+        return name
+    family = draft_class(algorithm).algorithm
+    path = os.path.join(HEADS_DIR, DEFAULT_HEAD_PREFIX + family)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--draft-model default: specpd ships no {family} head for the default model "
+                         f"(shipped: {shipped_heads() or 'none'}); train one with `specpd train-draft`")
+    return path
+
+
 def read_draft_config(path: str) -> dict[str, Any]:
     """config.json of a draft checkpoint (a directory or a weights file beside its config.json)."""
     directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
@@ -55,7 +79,7 @@ def draft_feature_layers(path: str, algorithm: str, num_target_layers: int) -> t
     if draft_class(algorithm).algorithm != "eagle3":
         return ()
     from specpd.draft.eagle3 import resolve_aux_layer_ids
-    return resolve_aux_layer_ids(read_draft_config(path), num_target_layers)
+    return resolve_aux_layer_ids(read_draft_config(resolve_draft_path(path, algorithm)), num_target_layers)
 
 
 def read_draft_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -87,6 +111,7 @@ def load_draft_model(path_or_dir: str, algorithm: str, target: "CausalLM", targe
 
     hot_token_ids (target ids) restricts the draft head to those rows (DraftModel.restrict_vocab).
     """
+    path_or_dir = resolve_draft_path(path_or_dir, algorithm)
     config, weights = read_draft_checkpoint(path_or_dir)
     vocab = config.get("vocab_size", target_config.vocab_size)
     if vocab != target_config.vocab_size:

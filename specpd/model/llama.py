@@ -79,6 +79,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
+class MatmulLinear(nn.Module):
+    """nn.Linear with its weight stored transposed, [in, out] contiguous, applied as a plain `x @ W`.
+
+    On CPU, MKL runs the few-row GEMMs of decode and speculative verify markedly faster on this layout
+    than F.linear's [out, in] (evals/results/spec.json linear_microbench: a SmolLM2 forward over 5 rows
+    35 ms vs 51 ms, 8 rows 39 vs 72). `weight` stays readable as the usual [out, in] view."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight_t
+        return out if self.bias is None else out + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -141,6 +162,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
         self.quantized_head: nn.Module | None = None
+        self.head_t: torch.Tensor | None = None  # [H, vocab] copy of the head (transpose_linears)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -163,7 +185,21 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()  # [rows, vocab]
+        if self.head_t is not None:
+            return (hidden @ self.head_t).float()
         return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def transpose_linears(self) -> None:
+        """CPU serving: every remaining nn.Linear of the decoder -> MatmulLinear, plus a transposed copy of
+        the LM head (an extra vocab x hidden tensor when the head is tied to the embedding). Call after
+        load_weights / quantization / the dtype cast."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, MatmulLinear(child))
+        if self.quantized_head is None:
+            self.head_t = self.lm_head_weight.detach().t().contiguous()
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

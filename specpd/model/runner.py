@@ -55,6 +55,8 @@ class ModelRunner:
         # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
         quantize_model(model, config.quantization)
         model = model.to(dtype=self.dtype).eval()
+        if self.device.type == "cpu":
+            model.transpose_linears()  # few-row GEMMs (decode, verify) run faster on [in, out] weights
         # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
         model.rotary = Rotary(self.model_config, max_model_len).to(self.device)
         self.model = model

@@ -61,6 +61,8 @@ class PrefillWorker(DisaggWorker):
                  bootstrap_timeout_s: float = 300.0):
         super().__init__(engine, transfer_backend, host)
         self.bootstrap_timeout_s = bootstrap_timeout_s
+        # completed handoffs: transfers, bytes, seconds inside the backend, descriptors (pages x pools), calls
+        self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0}
         self.control = self.ctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         port = self.control.bind_to_random_port(f"tcp://{host}")
@@ -111,7 +113,7 @@ class PrefillWorker(DisaggWorker):
         return bool(self.bootstrap_queue or self.inflight or self._registered)
 
     def stats(self) -> dict:
-        return {**super().stats(), "bootstrap_port": self.bootstrap.port}
+        return {**super().stats(), **self.kv_stats, "bootstrap_port": self.bootstrap.port}
 
     def queue_sizes(self) -> dict:
         return {"pd_bootstrap": len(self.bootstrap_queue), "pd_prefilling": len(self.prefilling),
@@ -210,6 +212,12 @@ class PrefillWorker(DisaggWorker):
             result = room.handle.wait()
             self.engine.release_handoff(room.request_id)
             if result.ok:
+                kv = self.kv_stats
+                kv["kv_transfers"] += 1
+                kv["kv_bytes"] += result.num_bytes
+                kv["kv_transfer_s"] += result.elapsed_s
+                kv["kv_descriptors"] += result.num_pages * len(room.destination.pools)
+                kv["kv_calls"] += result.num_calls
                 send_message(self.control, TransferDone(room_id, result.num_pages, result.num_bytes),
                              identity=room.identity)
                 self._final(room.request_id, len(room.prompt_token_ids), "handoff")

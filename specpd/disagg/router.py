@@ -81,7 +81,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         host, port = await bootstrap_address(prefill_url)
         body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=random.getrandbits(63))
         client: httpx.AsyncClient = state["client"]
-        prefill = asyncio.ensure_future(client.post(prefill_url + path, json={**body, "stream": False}))
+        p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only valid with stream=true
+        prefill = asyncio.ensure_future(client.post(prefill_url + path, json={**p_body, "stream": False}))
 
         async def prefill_failure() -> str | None:
             try:

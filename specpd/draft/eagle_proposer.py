@@ -1,6 +1,8 @@
 """EAGLE-family proposer (EAGLE-1, EAGLE-3, MTP): drives a DraftModel over its own paged KV pool.
 
-The draft pool has the target's page ids (same allocator), so one page list covers both.
+The draft's KV has the target's page ids: its layers live in the target's page blocks after the target's
+layers (KVPool.layers_of) when the geometry matches, else in a parallel pool sharing the allocator. Either
+way one page list covers both.
 Draft slots during drafting are scratch past the committed length; the extend after each verify
 rewrites the committed positions with the target's real hidden states.
 
@@ -26,13 +28,14 @@ from specpd.verify.tree import DraftTree, TreeBuilder
 
 class EagleProposer(Proposer):
     def __init__(self, draft: DraftModel, target_pool: KVPool, attention_backend: str,
-                 num_steps: int, topk: int, num_draft_tokens: int):
+                 num_steps: int, topk: int, num_draft_tokens: int, pool: KVPool | None = None):
+        """`pool`: the draft's layers inside the target's pages (KVPool.layers_of); None: a parallel pool."""
         super().__init__(num_steps, topk, num_draft_tokens)
         self.draft = draft
         cfg = draft.config
         self.device = target_pool.buffer.device
-        self.pool = KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
-                           cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
+        self.pool = pool or KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
+                                   cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
         self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
 
     @property

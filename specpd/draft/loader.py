@@ -82,6 +82,24 @@ def draft_feature_layers(path: str, algorithm: str, num_target_layers: int) -> t
     return resolve_aux_layer_ids(read_draft_config(resolve_draft_path(path, algorithm)), num_target_layers)
 
 
+def draft_kv_geometry(path: str, algorithm: str, target_config: ModelConfig) -> tuple[int, int, int]:
+    """(KV layers, kv heads, head dim) of a draft checkpoint, from its config alone (built on the meta device)."""
+    config = read_draft_config(resolve_draft_path(path, algorithm))
+    with torch.device("meta"):
+        model = draft_class(algorithm).from_published(config, None, target_config)
+    c = model.config
+    return c.num_layers, c.num_kv_heads, c.head_dim
+
+
+def shared_page_layers(spec, target_config: ModelConfig) -> int:
+    """Draft layers to keep in the target's KV pages (0: the draft gets its own pool): all of them when
+    their KV heads and head dim equal the target's, so one descriptor per page moves both (DESIGN.md §3)."""
+    if not spec.enabled or spec.speculative_algorithm == "replay" or not spec.draft_model:
+        return 0
+    layers, kv_heads, head_dim = draft_kv_geometry(spec.draft_model, spec.speculative_algorithm, target_config)
+    return layers if (kv_heads, head_dim) == (target_config.num_kv_heads, target_config.head_dim) else 0
+
+
 def read_draft_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """-> (config.json dict, {published key: tensor}) from a directory or a weights file."""
     config = read_draft_config(path)

@@ -42,7 +42,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        draft_layers = 0
+        if spec.enabled and with_draft:
+            from specpd.draft.loader import shared_page_layers
+            draft_layers = shared_page_layers(spec, self.model_config)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers)
         pool = self.runner.kv_pool
         self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
         if spec.enabled and not with_draft and spec.speculative_algorithm != "replay":

@@ -21,6 +21,7 @@ import torch
 from specpd.attention.metadata import AttentionMetadata
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.draft.proposer import DraftExtend, Proposer
+from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
@@ -161,7 +162,11 @@ def build_spec_runner(runner: ModelRunner, spec) -> SpecRunner:
         if not spec.draft_model:
             raise ValueError(f"--speculative-algorithm {spec.speculative_algorithm} needs --draft-model")
         draft = load_draft_model(spec.draft_model, spec.speculative_algorithm, runner.model, cfg, runner.dtype)
-        proposer = EagleProposer(draft, runner.kv_pool, runner.config.attention_backend, steps, topk, num_tokens)
+        pool = runner.kv_pool
+        shared = None  # the draft's layers inside the target's pages (the runner reserved them), else its own pool
+        if pool.num_layers == cfg.num_layers + draft.config.num_layers:
+            shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
+        proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
     return SpecRunner(runner, proposer)
 
 

@@ -2,6 +2,8 @@
 
 Layout `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (DESIGN.md §3): a transfer engine
 moves one descriptor per page. Per-layer K and V are strided views `[num_pages, page_size, kv_heads, head_dim]`.
+A draft model whose KV geometry matches the target's keeps its layers in the same page block, after the
+target's (`extra_layers`, then `KVPool.layers_of`): one descriptor per page moves target and draft KV.
 """
 from __future__ import annotations
 
@@ -28,16 +30,36 @@ class KVPool:
                                   dtype=dtype, device=device)
         self.allocator = allocator or PageAllocator(num_pages)
 
+        self.parent: KVPool | None = None  # set on a `layers_of` view
+
     @staticmethod
-    def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        return cfg.num_layers * 2 * page_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
+    def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
+        layers = cfg.num_layers + extra_layers
+        return layers * 2 * page_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype, device="cpu",
-                  memory_mb: int = 512, num_pages: int | None = None) -> "KVPool":
+                  memory_mb: int = 512, num_pages: int | None = None, extra_layers: int = 0) -> "KVPool":
+        """`extra_layers`: room in every page for a draft's layers (same kv heads, head dim and dtype)."""
         if num_pages is None:
-            num_pages = max(1, (memory_mb << 20) // cls.page_bytes(cfg, page_size, dtype))
-        return cls(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+            num_pages = max(1, (memory_mb << 20) // cls.page_bytes(cfg, page_size, dtype, extra_layers))
+        return cls(num_pages, cfg.num_layers + extra_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                   device)
+
+    @classmethod
+    def layers_of(cls, parent: "KVPool", first_layer: int, num_layers: int) -> "KVPool":
+        """A pool over layers [first_layer, first_layer + num_layers) of `parent`'s pages: the same page ids,
+        allocator and memory (its `buffer` is a strided view; its layer 0 is the parent's `first_layer`)."""
+        if not 0 <= first_layer <= first_layer + num_layers <= parent.num_layers:
+            raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are not in a "
+                             f"{parent.num_layers}-layer pool")
+        view = cls.__new__(cls)
+        view.num_pages, view.num_layers, view.page_size = parent.num_pages, num_layers, parent.page_size
+        view.kv_heads, view.head_dim, view.dtype = parent.kv_heads, parent.head_dim, parent.dtype
+        view.buffer = parent.buffer[:, first_layer:first_layer + num_layers]
+        view.allocator = parent.allocator
+        view.parent = parent
+        return view
 
     @property
     def bytes_per_page(self) -> int:

@@ -39,7 +39,8 @@ StepResult = list[SampledTokens]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int):
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0):
+        """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -62,7 +63,8 @@ class ModelRunner:
         self.model = model
         cache = config.cache
         self.kv_pool = KVPool.for_model(self.model_config, cache.page_size, self.dtype, self.device,
-                                        memory_mb=cache.kv_cache_memory_mb, num_pages=cache.num_pages)
+                                        memory_mb=cache.kv_cache_memory_mb, num_pages=cache.num_pages,
+                                        extra_layers=kv_extra_layers)
         mc = self.model_config
         self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
         self.shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)

@@ -109,7 +109,7 @@ class _Handlers:
         prompt = req.single_prompt()
         params = req.to_sampling_params()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        formatter = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self._token_text,
+        formatter = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
                                         params.logprobs, req.include_usage)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
@@ -123,7 +123,7 @@ class _Handlers:
             raise InvalidRequest("messages", f"the chat template could not render them: {exc}") from None
         prompt_ids = self.tokenizer.encode(text)
         params = req.to_sampling_params(default_max_tokens=self._room_left(len(prompt_ids)))
-        formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text,
+        formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
                                   params.logprobs, req.include_usage)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
@@ -135,9 +135,12 @@ class _Handlers:
             capacity = min(capacity, stats["total_pages"] * stats["page_size"])
         return max(1, capacity - num_prompt_tokens)
 
+    def _token_text_for(self, req):
+        return _token_id_text if req.return_tokens_as_token_ids else self._token_text
+
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:  # a checkpoint without a tokenizer (token-id prompts): vLLM's id form
-            return f"token_id:{token_id}"
+            return _token_id_text(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _generate(self, raw: Request, prompt_ids: list[int], params: SamplingParams,
@@ -229,6 +232,10 @@ class _Handlers:
                 "config": self.engine.config.to_dict(), "pid": os.getpid(),
                 "free_pages": stats.get("free_pages"), "total_pages": stats.get("total_pages"),
                 "engine_alive": self.async_engine.alive}
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 async def _parse(raw: Request, model: type[BaseModel]):

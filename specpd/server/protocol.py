@@ -49,6 +49,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:N"
 
     @property
     def include_usage(self) -> bool:

@@ -178,11 +178,15 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
     p, d = make_workers(spec_model_dir, spec)
     got_trees = record_trees(d.engine)
     try:
+        # the draft's layers sit in the target's pages: one pool, one descriptor per page for both
+        assert d.engine.spec_runner.proposer.pool.parent is d.engine.runner.kv_pool
+        assert len(p.backend.layouts) == len(d.backend.layouts) == 1
+        d_page = d.backend.layouts[0].page_bytes
         if mode == "both":
-            assert p.peer_config.draft_mode == "both" and len(p.backend.layouts) == 2
-        else:
+            assert p.peer_config.draft_mode == "both" and p.backend.layouts[0].page_bytes == d_page
+        else:  # P has no draft: its target-only pages fill the prefix of D's pages, D builds the draft KV
             assert p.peer_config.draft_mode == "decode_only" and p.engine.spec_runner is None
-            assert len(p.backend.layouts) == len(d.backend.layouts) == 1  # the draft KV is built on D
+            assert p.backend.layouts[0].page_bytes < d_page
         final = run_pd(p, d, PROMPTS, GREEDY)
         got = [final[f"d{i}"] for i in range(len(PROMPTS))]
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]

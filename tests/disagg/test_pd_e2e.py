@@ -100,16 +100,21 @@ def wait_free_pages(base: str, timeout: float = 10.0) -> dict:
 
 def stream_tokens(client: httpx.Client, body: dict) -> list[int]:
     """Text of a streamed completion is not checkable without a tokenizer: ask for logprobs=0 and read ids."""
-    tokens = []
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True, "logprobs": 0}) as resp:
+    tokens, usage = [], None
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True, "logprobs": 0,
+                                                        "stream_options": {"include_usage": True}}) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
             assert "error" not in chunk, chunk
+            if not chunk["choices"]:  # the usage chunk (stream_options.include_usage)
+                usage = chunk["usage"]
+                continue
             lps = chunk["choices"][0].get("logprobs") or {}
             tokens += [int(t.removeprefix("token_id:")) for t in lps.get("tokens", [])]
+    assert usage["completion_tokens"] == len(tokens)
     return tokens
 
 

@@ -86,6 +86,26 @@ def test_scattered_pages_arrive_byte_exact(make_backend, dtype):
     assert sender.quiescent(receiver.session_id)
 
 
+def test_shorter_pages_fill_the_prefix_of_the_peers_pages(make_backend):
+    """Draft-on-decode-only: P's pages hold the target layers only, D's target + draft layers."""
+    from specpd.kv.pool import KVPool
+    src = KVPool(12, 3, 4, 2, 16, torch.float32)
+    src.buffer.copy_(torch.randn(src.buffer.shape))
+    dst = KVPool(12, 4, 4, 2, 16, torch.float32)  # one more (draft) layer per page, after the target's
+    dst.buffer[:, 3] = 7.0
+    sender, receiver = make_backend(), make_backend()
+    sender.register([src.buffer])
+    layouts = receiver.register([dst.buffer])
+    result = sender.transfer(receiver.session_id, [5, 0, 11], [1, 9, 4], layouts)
+    assert result.ok and result.num_bytes == 3 * src.bytes_per_page, result
+    assert torch.equal(dst.buffer[[1, 9, 4], :3], src.buffer[[5, 0, 11]])
+    assert (dst.buffer[:, 3] == 7.0).all()  # the draft layer is never touched
+    untouched = [p for p in range(12) if p not in (1, 9, 4)]
+    assert not dst.buffer[untouched, :3].any()
+    with pytest.raises(ValueError, match="larger than the peer's"):
+        receiver.submit(sender.session_id, [0], [0], sender.layouts)
+
+
 def test_batches_above_the_per_call_limit_are_split(make_backend):
     p_target, p_draft = _pools(50, torch.float32, seed=1)
     d_target, d_draft = _pools(50, torch.float32)
@@ -142,7 +162,7 @@ def test_layout_mismatch_is_refused_before_any_write(make_backend):
     p_target, p_draft = _pools(8, torch.float32)
     sender = make_backend()
     layouts = sender.register([p_target.buffer, p_draft.buffer])
-    with pytest.raises(ValueError, match="page size differs"):
+    with pytest.raises(ValueError, match="larger than the peer's"):
         sender.submit("peer", [0], [0], [layouts[0], PoolLayout(0, 123, 8)])
     with pytest.raises(ValueError, match="1 pools"):
         sender.submit("peer", [0], [0], layouts[:1])

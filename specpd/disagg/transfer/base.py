@@ -4,7 +4,9 @@
    contiguous tensor `[num_pages, ...]` whose page i is one contiguous block of `page_bytes`.
 2. D publishes `session_id` and `layouts` (in `KVDestination`); P keeps nothing else about D.
 3. P calls `submit(peer_session, src_page_ids, dst_page_ids, peer_layouts)`: page `src[i]` of every local
-   pool j is written to page `dst[i]` of the peer's pool j, one descriptor per page per pool. Descriptors are
+   pool j is written to page `dst[i]` of the peer's pool j, one descriptor per page per pool. A local page
+   may be shorter than the peer's: it fills the peer page's prefix (a prefill server without the draft
+   writes the target layers of a decode server's target+draft pages, draft-on-decode-only). Descriptors are
    sent in calls of at most `max_descriptors_per_call` (Mooncake's TCP transport rejects more than its
    per-peer queue, 1024 by default), calls to one peer never overlap.
 4. `TransferHandle.poll()` is PENDING until every call returned, then DONE or FAILED (with `error`).
@@ -192,8 +194,9 @@ class TransferBackend(ABC):
         if len(peer_layouts) != len(self._layouts):
             raise ValueError(f"peer has {len(peer_layouts)} pools, this side {len(self._layouts)}")
         for j, (mine, theirs) in enumerate(zip(self._layouts, peer_layouts)):
-            if mine.page_bytes != theirs.page_bytes:
-                raise ValueError(f"pool {j}: page size differs: local {mine.page_bytes} B, peer {theirs.page_bytes} B")
+            if mine.page_bytes > theirs.page_bytes:  # smaller local pages fill a prefix of the peer's
+                raise ValueError(f"pool {j}: local pages ({mine.page_bytes} B) are larger than the peer's "
+                                 f"({theirs.page_bytes} B)")
             bad_src = [p for p in src if not 0 <= p < mine.num_pages]
             bad_dst = [p for p in dst if not 0 <= p < theirs.num_pages]
             if bad_src or bad_dst:

@@ -138,9 +138,9 @@ class MooncakeBackend(TransferBackend):
                deadline: float) -> None:
         src, dst, lengths = [], [], []
         for c in copies:
-            page_bytes = peer_layouts[c.pool].page_bytes
+            page_bytes = self._layouts[c.pool].page_bytes  # <= the peer's: a prefix of its page
             src.append(self._base_addresses[c.pool] + c.src_page * page_bytes)
-            dst.append(peer_layouts[c.pool].base_address + c.dst_page * page_bytes)
+            dst.append(peer_layouts[c.pool].base_address + c.dst_page * peer_layouts[c.pool].page_bytes)
             lengths.append(page_bytes)
         start = time.monotonic()
         rc = self._engine.batch_transfer_sync_write(peer_session, src, dst, lengths)

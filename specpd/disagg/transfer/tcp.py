@@ -131,10 +131,10 @@ class TcpBackend(TransferBackend):
         for (pool, page), frame in zip(targets, pages):  # check all before writing any
             if not (0 <= pool < len(self._pools) and 0 <= page < self._pools[pool].shape[0]):
                 return {"seq": seq, "ok": False, "error": f"pool {pool} page {page} out of range"}
-            if len(frame.buffer) != self._pools[pool].shape[1]:
+            if len(frame.buffer) > self._pools[pool].shape[1]:  # a shorter page fills this page's prefix
                 return {"seq": seq, "ok": False, "error": f"page of {len(frame.buffer)} B, pool {pool} pages are "
                                                           f"{self._pools[pool].shape[1]} B"}
-            views.append((self._pools[pool][page].numpy(), frame))
+            views.append((self._pools[pool][page].numpy()[:len(frame.buffer)], frame))
         for dst, frame in views:
             dst[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
         return {"seq": seq, "ok": True}

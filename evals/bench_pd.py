@@ -1,0 +1,335 @@
+"""1P1D vs unified serving on the default model: TTFT/TPOT, long-prompt interference, KV transfer, tau.
+
+Servers are real `specpd serve` processes on 127.0.0.1. PD: prefill pinned to core 0 and decode to core 1
+(`taskset`, one torch thread each) behind the router; unified: one process with two torch threads on both
+cores. Configurations (each a fresh set of servers): unified and PD, non-speculative and speculative
+(`--speculative-algorithm ALG --draft-model DRAFT`), PD in both draft modes.
+
+Workloads, greedy, ignore_eos (every request generates --max-tokens tokens), streamed (usage included):
+  short  N held-out ShareGPT prompts (first human turn, chat template), Poisson arrivals at --rate req/s
+  mixed  the same plus --num-long prompts of --long-len tokens (ShareGPT text) arriving among them; the
+         figure of merit is the short requests' TPOT p99 (prefill of a long prompt stalls unified decode)
+  TTFT = first streamed token - send; TPOT = (last token - first token) / (tokens - 1), per request.
+KV transfer: the prefill server's counters (bytes, seconds inside the transfer backend, descriptors) give
+the achieved MB/s, set against a raw Mooncake TransferEngine moving the same pages (one descriptor per
+page, same page size, same number of pages per call) between two engines of this process, in the same run.
+tau: committed tokens per verify forward from the usage of every request; PD / unified per mode.
+
+  python evals/bench_pd.py --draft-model default --algorithm eagle3    # -> evals/results/pd.json
+  python evals/bench_pd.py --quick --draft-model DIR                   # smoke -> $TMPDIR
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(EVALS_DIR)
+sys.path[:0] = [EVALS_DIR, REPO]
+from common import held_out_sharegpt_prompts, log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
+
+import httpx  # noqa: E402
+
+RESULTS_DIR = os.path.join(EVALS_DIR, "results")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# -- servers -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def launch(commands: list[tuple[list[str], str | None]], timeout_s: float = 600):
+    """Start `specpd serve` processes ((args, cpu list for taskset) each); yield their URLs once healthy."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OPENBLAS_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
+    procs = []
+    try:
+        for args, cpus in commands:
+            port = free_port()
+            cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), "--log-level", "warning", *args]
+            if cpus is not None and shutil.which("taskset"):
+                cmd = ["taskset", "-c", cpus, *cmd]
+            log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-pd-", suffix=".log", delete=False)
+            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT),
+                          f"http://127.0.0.1:{port}", log_file))
+        deadline = time.monotonic() + timeout_s
+        for proc, url, log_file in procs:
+            while True:
+                if proc.poll() is not None:
+                    log_file.seek(0)
+                    raise RuntimeError(f"{proc.args} exited {proc.returncode}:\n{log_file.read()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} not healthy")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.3)
+        yield [url for _, url, _ in procs]
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, log_file in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log_file.close()
+            os.unlink(log_file.name)
+
+
+def unified_cluster(engine_args: list[str]):
+    return launch([(["--role", "unified", "--num-threads", "2", *engine_args], None)])
+
+
+@contextlib.contextmanager
+def pd_cluster(engine_args: list[str], backend: str):
+    boot = free_port()
+    common = ["--transfer-backend", backend, "--num-threads", "1", *engine_args]
+    with launch([(["--role", "prefill", "--bootstrap-port", str(boot), *common], "0"),
+                 (["--role", "decode", *common], "1")]) as (p, d):
+        with launch([(["--role", "router", "--prefill", p, "--decode", d, "--bootstrap-port", str(boot)], None)]) \
+                as (router,):
+            yield router, p, d
+
+
+# -- client ------------------------------------------------------------------------------------------
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
+    await asyncio.sleep(delay)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens: list[int] = []
+    usage = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return {"error": f"{resp.status_code}: {(await resp.aread())[:300]!r}"}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": str(chunk["error"])}
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                got = (choice.get("logprobs") or {}).get("tokens") or []
+                if got:
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    last = now
+                    tokens += [int(t.removeprefix("token_id:")) for t in got]
+    n = len(tokens)
+    return {"prompt_tokens": len(prompt), "ttft_s": first - t0, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
+            "e2e_s": last - t0, "tokens": tokens, "usage": usage}
+
+
+def run_workload(url: str, prompts: list[list[int]], delays: list[float], max_tokens: int) -> list[dict]:
+    async def main():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+            return await asyncio.gather(*(one_request(client, url, p, max_tokens, d) for p, d in zip(prompts, delays)))
+    return asyncio.run(main())
+
+
+def summarize(rows: list[dict], which: list[int] | None = None) -> dict:
+    picked = [rows[i] for i in (which if which is not None else range(len(rows)))]
+    errors = [r["error"] for r in picked if "error" in r]
+    ok = [r for r in picked if "error" not in r]
+    ttft, tpot = [r["ttft_s"] for r in ok], [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    out = {"requests": len(picked), "errors": errors[:3], "num_errors": len(errors),
+           "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+           "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
+    verify = sum((r["usage"] or {}).get("spec_verify_count") or 0 for r in ok)
+    if verify:
+        committed = sum(((r["usage"] or {}).get("spec_accept_length") or 0) * ((r["usage"] or {}).get("spec_verify_count") or 0)
+                        for r in ok)
+        out["tau"] = committed / verify
+        out["spec_verify_count"] = verify
+    return out
+
+
+def kv_delta(before: dict, after: dict) -> dict:
+    keys = ("kv_transfers", "kv_bytes", "kv_transfer_s", "kv_descriptors", "kv_calls")
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    d["mb_per_s"] = d["kv_bytes"] / d["kv_transfer_s"] / 1e6 if d["kv_transfer_s"] else None
+    d["descriptors_per_request"] = d["kv_descriptors"] / d["kv_transfers"] if d["kv_transfers"] else None
+    d["bytes_per_request"] = d["kv_bytes"] / d["kv_transfers"] if d["kv_transfers"] else None
+    return d
+
+
+# -- raw Mooncake ------------------------------------------------------------------------------------
+def raw_mooncake(page_bytes: int, pages_per_request: list[int], per_call: int = 512, reps: int = 3) -> dict | None:
+    """The same pages through two bare TransferEngines of this process (loopback TCP)."""
+    try:
+        import torch
+
+        from specpd.disagg.transfer.mooncake import load_transfer_engine
+        engine_cls = load_transfer_engine()
+    except ImportError as e:
+        return {"skipped": str(e)}
+    max_pages = max(pages_per_request)
+    src_buf = torch.randn(max_pages * page_bytes // 4 + 1)
+    dst_buf = torch.zeros_like(src_buf)
+    engines = []
+    for buf in (src_buf, dst_buf):
+        eng = engine_cls()
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(buf.data_ptr(), buf.numel() * 4) == 0
+        engines.append(eng)
+    src, dst = engines
+    peer = f"127.0.0.1:{dst.get_rpc_port()}"
+    best = None
+    for _ in range(reps):
+        total_bytes, total_s = 0, 0.0
+        for n in pages_per_request:
+            addrs = [i * page_bytes for i in range(n)]
+            for i in range(0, n, per_call):
+                chunk = addrs[i:i + per_call]
+                t0 = time.perf_counter()
+                rc = src.batch_transfer_sync_write(peer, [src_buf.data_ptr() + a for a in chunk],
+                                                   [dst_buf.data_ptr() + a for a in chunk], [page_bytes] * len(chunk))
+                total_s += time.perf_counter() - t0
+                assert rc == 0, rc
+                total_bytes += page_bytes * len(chunk)
+        mbps = total_bytes / total_s / 1e6
+        best = mbps if best is None else max(best, mbps)
+    assert torch.equal(src_buf[: max_pages * page_bytes // 4], dst_buf[: max_pages * page_bytes // 4])
+    return {"mb_per_s_best_of_reps": best, "reps": reps, "bytes_per_rep": total_bytes, "page_bytes": page_bytes}
+
+
+# -- main --------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft-model", default="default")
+    ap.add_argument("--algorithm", default="eagle3")
+    ap.add_argument("--spec-steps", type=int, default=4)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-long", type=int, default=2)
+    ap.add_argument("--long-len", type=int, default=2000)
+    ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
+    ap.add_argument("--configs", default="unified,unified_spec,pd,pd_spec_both,pd_spec_decode_only")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.max_tokens, args.num_long, args.long_len = 4, 8, 1, 600
+    out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_pd_quick.json") if args.quick
+                            else os.path.join(RESULTS_DIR, "pd.json"))
+    from specpd.disagg.transfer import backend_available
+    if args.backend == "mooncake" and not backend_available("mooncake")[0]:
+        log(f"mooncake unavailable ({backend_available('mooncake')[1]}): using tcp")
+        args.backend = "tcp"
+    meta = {"versions": versions(), "machine": machine_info()}
+    from specpd.model.loader import load_checkpoint
+    tok = load_checkpoint("default").tokenizer
+    short = held_out_sharegpt_prompts(tok, args.num_requests)
+    long_prompts, _ = real_text_prompts(tok, args.num_long, args.long_len)
+    rng = random.Random(0)
+    delays, t = [], 0.0
+    for _ in short:
+        delays.append(t)
+        t += rng.expovariate(args.rate)
+    # the long prompts arrive a third and two thirds into the short stream
+    long_delays = [delays[len(delays) * (i + 1) // (args.num_long + 1)] + 0.01 for i in range(args.num_long)]
+    mixed_prompts, mixed_delays = short + long_prompts, delays + long_delays
+    short_idx = list(range(len(short)))
+
+    base_args = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024"]
+    spec_args = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model,
+                 "--spec-num-steps", str(args.spec_steps)]
+    configs = {"unified": ("unified", []), "unified_spec": ("unified", spec_args),
+               "pd": ("pd", []), "pd_spec_both": ("pd", spec_args + ["--draft-mode", "both"]),
+               "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"])}
+    results, outputs = {}, {}
+    t_start = time.perf_counter()
+    for name in args.configs.split(","):
+        kind, extra = configs[name]
+        log(f"== {name}")
+        cm = unified_cluster(base_args + extra) if kind == "unified" else pd_cluster(base_args + extra, args.backend)
+        with cm as urls:
+            url = urls[0]
+            warm = run_workload(url, short[:2], [0, 0], 4)  # first-request costs out of the measurement
+            assert all("error" not in r for r in warm), warm
+            p_url = urls[1] if kind == "pd" else None
+            before = httpx.get(p_url + "/server_info").json() if p_url else {}
+            rows_short = run_workload(url, short, delays, args.max_tokens)
+            mid = httpx.get(p_url + "/server_info").json() if p_url else {}
+            rows_mixed = run_workload(url, mixed_prompts, mixed_delays, args.max_tokens)
+            after = httpx.get(p_url + "/server_info").json() if p_url else {}
+            d_info = httpx.get(urls[2] + "/server_info").json() if p_url else httpx.get(url + "/server_info").json()
+        entry = {"short": summarize(rows_short), "mixed_all": summarize(rows_mixed),
+                 "mixed_short_only": summarize(rows_mixed, short_idx),
+                 "mixed_long_only": summarize(rows_mixed, list(range(len(short), len(mixed_prompts))))}
+        if p_url:
+            entry["kv_short"], entry["kv_mixed"] = kv_delta(before, mid), kv_delta(mid, after)
+            entry["kv_pages_per_request_short"] = [-(-len(p) // 16) for p in short]
+        entry["pages_back_to_total"] = d_info.get("free_pages") == d_info.get("total_pages")
+        results[name] = entry
+        outputs[name] = [r.get("tokens") for r in rows_short + rows_mixed]
+        s, m = entry["short"], entry["mixed_short_only"]
+        log(f"   short: TTFT p50 {s['ttft_p50_s']:.2f} p99 {s['ttft_p99_s']:.2f}  TPOT p50 {s['tpot_p50_s'] * 1e3:.0f} ms "
+            f"p99 {s['tpot_p99_s'] * 1e3:.0f} ms  tau {s.get('tau', 1):.2f}  errors {s['num_errors']}")
+        log(f"   mixed (short requests): TPOT p99 {m['tpot_p99_s'] * 1e3:.0f} ms  TTFT p99 {m['ttft_p99_s']:.2f}")
+        if p_url:
+            log(f"   kv: {entry['kv_short']['mb_per_s']} MB/s, {entry['kv_short']['descriptors_per_request']} desc/req")
+    ratios = {}
+    for pd_name, uni_name in (("pd", "unified"), ("pd_spec_both", "unified_spec"), ("pd_spec_decode_only", "unified_spec")):
+        if pd_name in results and uni_name in results:
+            pd_r, uni = results[pd_name], results[uni_name]
+            ratios[f"{pd_name}_over_{uni_name}"] = {
+                "mixed_short_tpot_p99": pd_r["mixed_short_only"]["tpot_p99_s"] / uni["mixed_short_only"]["tpot_p99_s"],
+                "short_tpot_p50": pd_r["short"]["tpot_p50_s"] / uni["short"]["tpot_p50_s"],
+                "short_ttft_p50": pd_r["short"]["ttft_p50_s"] / uni["short"]["ttft_p50_s"],
+                "tau": (pd_r["short"]["tau"] / uni["short"]["tau"]) if "tau" in uni["short"] else None,
+                "tau_mixed": (pd_r["mixed_all"]["tau"] / uni["mixed_all"]["tau"]) if "tau" in uni["mixed_all"] else None,
+                "same_tokens": outputs[pd_name] == outputs[uni_name]}
+    raw = None
+    pd_names = [n for n in results if n.startswith("pd")]
+    if args.backend == "mooncake" and pd_names:
+        kv = results[pd_names[0]]["kv_short"]
+        page_bytes = int(kv["kv_bytes"] / max(1, kv["kv_descriptors"]))  # target-only configs: one pool
+        pages = [-(-len(p) // 16) for p in short]
+        raw = raw_mooncake(page_bytes, pages)
+        for n in pd_names:
+            mbps = results[n]["kv_short"]["mb_per_s"]
+            if raw and raw.get("mb_per_s_best_of_reps") and mbps:
+                results[n]["kv_short"]["over_raw_mooncake"] = mbps / raw["mb_per_s_best_of_reps"]
+    report = {"benchmark": "pd", "description": __doc__.split("\n\n")[0], "command": "python " + " ".join(sys.argv),
+              "backend": args.backend, "model": "default (SmolLM2-135M-Instruct)", "draft_model": args.draft_model,
+              "algorithm": args.algorithm, "spec_steps": args.spec_steps, "num_short": len(short),
+              "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,
+              "rate_req_per_s": args.rate, "max_tokens": args.max_tokens, "arrival_s": delays,
+              "long_arrival_s": long_delays, "results": results, "ratios": ratios, "raw_mooncake": raw,
+              "bench_wall_s": round(time.perf_counter() - t_start, 1), **meta}
+    write_json(out_path, report)
+    log(json.dumps(ratios, indent=1))
+    log(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

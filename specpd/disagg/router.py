@@ -178,7 +178,30 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
 
     @app.get("/server_info")
     async def server_info():
+        """The router's own facts plus each backend's /server_info (pages, acceptance), and their sums."""
+        client: httpx.AsyncClient = state["client"]
+        urls = prefill_urls + decode_urls
+        infos = await asyncio.gather(*(client.get(u + "/server_info", timeout=5.0) for u in urls),
+                                     return_exceptions=True)
+        backends = {}
+        for url, resp in zip(urls, infos):
+            try:
+                info = resp.json()
+            except (AttributeError, ValueError):
+                backends[url] = {"error": repr(resp)}
+                continue
+            backends[url] = {k: info.get(k) for k in ("role", "pid", "free_pages", "total_pages", "config",
+                                                      "spec_verify_count", "spec_accepted_tokens",
+                                                      "spec_accept_length")}
+        decode = [backends[u] for u in decode_urls if "error" not in backends[u]]
+        verify = sum(b.get("spec_verify_count") or 0 for b in decode)
+        committed = sum((b.get("spec_accept_length") or 0) * (b.get("spec_verify_count") or 0) for b in decode)
+        live = [b for b in backends.values() if "error" not in b]
         return {"role": "router", "pid": os.getpid(), "prefill": prefill_urls, "decode": decode_urls,
-                "bootstrap_port": bootstrap_port}
+                "bootstrap_port": bootstrap_port, "config": {"prefill": prefill_urls, "decode": decode_urls},
+                "free_pages": sum(b.get("free_pages") or 0 for b in live),
+                "total_pages": sum(b.get("total_pages") or 0 for b in live),
+                "spec_verify_count": verify, "spec_accept_length": committed / verify if verify else None,
+                "backends": backends}
 
     return app

@@ -32,17 +32,25 @@ STARTUP_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_pd")
-    save_tiny_model("llama", path)
-    return str(path)
+    return str(path), save_tiny_model("llama", path)
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir):
-    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128)))
+def model_dir(tiny):
+    return tiny[0]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    """The unified engine's greedy tokens, which are HF transformers' (so PD == unified == HF)."""
+    from tests.model.test_hf_equivalence import hf_greedy
+    engine = LLMEngine(EngineConfig(model=tiny[0], cache=CacheConfig(page_size=4, num_pages=128)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+    unified = [o.token_ids for o in engine.generate(PROMPTS, params)]
+    assert unified == [hf_greedy(tiny[1], p, MAX_TOKENS) for p in PROMPTS]
+    return unified
 
 
 @contextlib.contextmanager
@@ -135,7 +143,8 @@ def _backend(name):
 
 CASES = [pytest.param("tcp", None, id="tcp"), pytest.param("mooncake", None, id="mooncake", marks=_backend("mooncake")),
          pytest.param("tcp", "both", id="tcp-eagle-draft-on-both"),
-         pytest.param("tcp", "decode-only", id="tcp-eagle-draft-on-decode-only")]
+         pytest.param("tcp", "decode-only", id="tcp-eagle-draft-on-decode-only"),
+         pytest.param("mooncake", "decode-only", id="mooncake-eagle-draft-on-decode-only", marks=_backend("mooncake"))]
 
 
 def unified_spec_counts(model_dir, eagle_dir) -> list[tuple[int, int]]:
@@ -206,8 +215,11 @@ def test_disagg_cluster_launcher(model_dir, expected):
         resp = client.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text
         assert [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]] == expected[1]
-        p_info = httpx.get(p_url + "/server_info").json()
-        assert p_info["role"] == "prefill" and httpx.get(d_url + "/server_info").json()["role"] == "decode"
+        p_info, d_info = httpx.get(p_url + "/server_info").json(), httpx.get(d_url + "/server_info").json()
+        assert p_info["role"] == "prefill" and d_info["role"] == "decode" and p_info["pid"] != d_info["pid"]
+        info = client.get("/server_info").json()  # the router's view of its backends
+        assert info["backends"][d_url]["role"] == "decode" and info["backends"][p_url]["pid"] == p_info["pid"]
+        assert info["free_pages"] == info["total_pages"] == p_info["total_pages"] + d_info["total_pages"]
         os.kill(p_info["pid"], signal.SIGKILL)
         assert launcher.wait(30) != 0
         with pytest.raises(httpx.TransportError):

@@ -11,10 +11,12 @@ Configurations: chain S=3, chain S=5, tree K=4 S=5 with T=8 and T=16 draft token
 
   python evals/acceptance.py --draft-model default --algorithm eagle3     # -> evals/results/acceptance.json/.png
   python evals/acceptance.py --num-prompts 8 --max-tokens 32 --out /tmp/acc.json   # smoke
+  (two cores: one process per --datasets, then --merge A.json B.json)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -89,6 +91,26 @@ def plot(results: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def merge(paths: list[str], out_path: str) -> int:
+    parts = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            parts.append(json.load(f))
+    out = parts[0]
+    for part in parts[1:]:
+        for name, by_dataset in part["results"].items():
+            out["results"].setdefault(name, {}).update(by_dataset)
+        out["prompts"].update(part["prompts"])
+        out["command"] = [out["command"]] if isinstance(out["command"], str) else out["command"]
+        out["command"].append(part["command"])
+    write_json(out_path, out)
+    png = os.path.splitext(out_path)[0] + ".png"
+    plot(out["results"], png, f"{out['algorithm']} draft ({out['draft_model']}) on SmolLM2-135M-Instruct: "
+                              f"acceptance length")
+    log(f"wrote {out_path} and {png}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft-model", default="default")
@@ -101,7 +123,11 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16, help="running requests per engine step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "acceptance.json"))
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="combine the results of runs over different datasets (e.g. one per core) into --out")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     torch.set_num_threads(args.threads)
     meta = {"versions": versions(), "machine": machine_info()}
     ckpt = load_checkpoint("default")

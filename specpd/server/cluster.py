@@ -96,8 +96,11 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
         _wait_healthy(procs, [_url(c) for c in prefill + decode])
         procs.append(subprocess.Popen(router))
         _wait_healthy(procs[-1:], [_url(router)], others=procs[:-1])
-        print(f"specpd PD cluster ({args.disagg}) ready: {_url(router)}  "
-              f"prefill {[_url(c) for c in prefill]} decode {[_url(c) for c in decode]}", flush=True)
+        from specpd.server.cli import ready_message
+        model = args.argv[args.argv.index("--model") + 1] if "--model" in args.argv else "default"
+        print(f"specpd PD cluster ({args.disagg}): prefill {[_url(c) for c in prefill]} "
+              f"decode {[_url(c) for c in decode]}", flush=True)
+        print(ready_message(args.host, args.port, model), flush=True)
         while True:
             for proc in procs:
                 if proc.poll() is not None:

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-distill", action="store_true", help="regenerate assistant turns with the target")
     p.add_argument("--distill-temperature", type=float, default=0.0, help="(default: 0, greedy)")
     p.add_argument("--distill-max-new-tokens", type=int, default=512, help="(default: 512)")
+    p.add_argument("--distill-kv-cache-mb", type=int, default=2048,
+                   help="KV cache of the generating engine: room for a whole group of conversations (default: 2048)")
+    p.add_argument("--distill-batch", type=int, default=32, help="conversations generated together (default: 32)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="(default: 0)")
     p.add_argument("--epochs", type=int, default=1, help="(default: 1)")
@@ -110,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
             from specpd.engine.llm_engine import LLMEngine
             from specpd.train.distill import self_distill
             engine = LLMEngine(EngineConfig(model=args.target, dtype=args.target_dtype, seed=args.seed,
-                                            max_model_len=max_len), checkpoint=checkpoint)
+                                            max_model_len=max_len,
+                                            cache=CacheConfig(kv_cache_memory_mb=args.distill_kv_cache_mb)),
+                               checkpoint=checkpoint)
             records = self_distill(records, engine, checkpoint.tokenizer, os.path.join(out, "distilled.jsonl"),
-                                   max_len, args.distill_max_new_tokens, args.distill_temperature, seed=args.seed)
+                                   max_len, args.distill_max_new_tokens, args.distill_temperature,
+                                   batch_size=args.distill_batch, seed=args.seed)
         convs = training_conversations(records, checkpoint.tokenizer, max_len, args.max_train_tokens)
         runner, _ = target_runner(args.target, args.target_dtype, max_len, args.extract_batch_tokens, checkpoint)
         cache = extract_features(runner, convs, feature_dir, feature_spec, aux, args.extract_batch_tokens,

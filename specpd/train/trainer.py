@@ -113,7 +113,10 @@ class Trainer:
         epoch, i = divmod(step, self.steps_per_epoch)
         if self._epoch_plan is None or self._epoch_plan[0] != epoch:
             self._epoch_plan = (epoch, plan_epoch(self.seq_lens, self.config.batch_tokens, self.config.seed, epoch))
-        chunk, seqs = self._epoch_plan[1][i]
+        plan = self._epoch_plan[1]
+        # an epoch's shuffle can pack into a batch or two more or fewer than epoch 0's (steps_per_epoch):
+        # a shorter epoch repeats its first batches, a longer one drops its last
+        chunk, seqs = plan[i % len(plan)]
         if self._chunk is None or self._chunk[0] != chunk:
             names = ("input_ids", "loss_mask", "target_argmax", "hidden") + (
                 ("aux",) if self.feature_key == "aux" else ())

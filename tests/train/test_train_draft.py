@@ -237,3 +237,37 @@ def test_self_distill_rewrites_assistant_turns_and_resumes(setup, tmp_path):
     assert got[0]["conversations"][0] == records[0]["conversations"][0]
     # resumed: what is cached comes back without the engine
     assert list(self_distill(records[:3], None, tok, cache, max_len=256)) == got
+
+
+def test_epochs_with_another_batch_count_still_cover_the_schedule():
+    """Each epoch's shuffle packs its own batches, so their count varies a little; every step of the
+    schedule (epoch 0's count x epochs) must still get a batch (a run crashed on its last epoch)."""
+    import random
+
+    from specpd.train.trainer import plan_epoch
+    rng = random.Random(3)
+    seq_lens = [[rng.randint(20, 900) for _ in range(300)]]
+    counts = {len(plan_epoch(seq_lens, 2048, 0, e)) for e in range(8)}
+    assert len(counts) > 1  # the situation this guards against
+
+    class Cache:
+        chunks = [{"seq_lens": seq_lens[0]}]
+
+        @staticmethod
+        def load(chunk, names):
+            return {"input_ids": torch.arange(sum(seq_lens[0]))}
+
+    from specpd.train.trainer import Trainer
+    trainer = Trainer.__new__(Trainer)
+    trainer.seq_lens, trainer.cache, trainer.feature_key = seq_lens, Cache, "hidden"
+    trainer.config = type("C", (), {"batch_tokens": 2048, "seed": 0})
+    trainer.steps_per_epoch = len(plan_epoch(seq_lens, 2048, 0, 0))
+    trainer._epoch_plan, trainer._chunk = None, None
+    import specpd.train.trainer as trainer_module
+    collate = trainer_module.TrainBatch.collate
+    trainer_module.TrainBatch.collate = staticmethod(lambda rows, key: rows)
+    try:
+        for step in range(trainer.steps_per_epoch * 8):
+            assert trainer.batch_at(step)
+    finally:
+        trainer_module.TrainBatch.collate = collate

@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         app = create_router_app(args.prefill, args.decode, args.bootstrap_port)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=5))
-        asyncio.run(_serve(server, args.host, args.port, "router"))
+        asyncio.run(_serve(server, args.host, args.port, "router", role="router"))
         return 0
 
     from specpd.engine.llm_engine import LLMEngine
@@ -142,16 +142,17 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, role=args.role)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
-    asyncio.run(_serve(server, args.host, args.port, engine.model_name))
+    asyncio.run(_serve(server, args.host, args.port, engine.model_name, role=args.role))
     return 0
 
 
-async def _serve(server, host: str, port: int, model_name: str) -> None:
+async def _serve(server, host: str, port: int, model_name: str, role: str = "unified") -> None:
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
-    if server.started:
-        print(ready_message(host, port, model_name), flush=True)
+    if server.started:  # the curl only where clients go: a unified server (or --disagg's router, cluster.py)
+        print(ready_message(host, port, model_name) if role == "unified"
+              else f"specpd {role} ready on http://{host}:{port}", flush=True)
     await task
 
 

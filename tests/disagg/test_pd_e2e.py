@@ -257,3 +257,36 @@ def test_a_killed_prefill_fails_the_request_and_frees_decode_pages(model_dir):
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p_pid, signal.SIGKILL)
+
+
+def test_smollm2_with_the_shipped_head_through_pd_matches_unified():
+    """The default model and its shipped EAGLE-3 head, draft-on-decode-only over real processes: the
+    router's greedy output and acceptance counts equal the unified engine's for a chat prompt."""
+    from specpd.config import SpecConfig
+    from specpd.model.loader import load_checkpoint
+    ckpt = load_checkpoint("default")
+    text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                              add_generation_prompt=True)
+    prompt = ckpt.tokenizer.encode(text, add_special_tokens=False)
+    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=3, draft_mode="decode-only")
+    unified = LLMEngine(EngineConfig(model="default", spec=spec, cache=CacheConfig(page_size=16, num_pages=64)),
+                        checkpoint=ckpt)
+    want = unified.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    boot = free_port()
+    args = ["--model", "default", "--page-size", "16", "--num-pages", "64", "--num-threads", "1",
+            "--speculative-algorithm", "eagle3", "--draft-model", "default", "--spec-num-steps", "3",
+            "--draft-mode", "decode-only"]
+    with servers([["--role", "prefill", "--bootstrap-port", str(boot), *args], ["--role", "decode", *args]]) as (p, d):
+        with servers([["--role", "router", "--prefill", p, "--decode", d]]) as (router,):
+            resp = httpx.post(router + "/v1/completions", timeout=120, json={
+                "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                "return_tokens_as_token_ids": True})
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+            got = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+            assert got == want.token_ids
+            assert (body["usage"]["spec_verify_count"], body["usage"]["spec_accepted_tokens"]) == \
+                (want.spec_verify_count, want.spec_accepted_tokens)
+            for base in (p, d):
+                info = wait_free_pages(base)
+                assert info["free_pages"] == info["total_pages"], (base, info)

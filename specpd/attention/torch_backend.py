@@ -1,8 +1,10 @@
 """Torch attention backend: the CPU serving path. Same math as reference.py, batched with SDPA.
 
-Short query blocks (decode rows, tree verify / draft steps, small chunks) are padded into one batch
-and attended with one SDPA call over their gathered pages and a [batch, q_max, kv_max] mask; each
-long prefill/extend sequence is attended on its own (plain causal when it has no prefix). Masks
+Short query blocks (decode rows, tree verify / draft steps, small chunks) are padded into batches
+and attended with one SDPA call per batch over their gathered pages and a [batch, q_max, kv_max]
+mask; sequences are grouped by KV length (`group_by_pages`) so one long context does not make every
+short row gather and attend over its length. Each long prefill/extend sequence is attended on its
+own (plain causal when it has no prefix). Masks
 follow AttentionMetadata: the prefix is visible, then causal, or the sequence's tree block.
 
 CPU speed notes (SmolLM2-135M, 1 thread): pages are gathered with `index_select` (4x faster than
@@ -20,7 +22,29 @@ import torch.nn.functional as F
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
 
-SHORT_Q = 32  # query blocks up to this length share one padded SDPA call
+SHORT_Q = 32  # query blocks up to this length share padded SDPA calls
+GROUP_COST_PAGES = 64  # what one more padded SDPA call costs, in rows x pages gathered (group_by_pages)
+
+
+def group_by_pages(pages: list[int], call_cost: int = GROUP_COST_PAGES) -> list[list[int]]:
+    """Split sequences (their KV lengths in pages) into padded batches minimising
+    sum(len(batch) * max pages in batch) + call_cost per batch; returns index lists (exact DP over
+    the sequences sorted by length: contiguous runs of the sorted order are optimal)."""
+    order = sorted(range(len(pages)), key=lambda i: pages[i])
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: cost of the first j sorted sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        top = pages[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * top + call_cost
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append([order[k] for k in range(cut[j], j)])
+        j = cut[j]
+    return groups[::-1]
 
 
 @dataclass
@@ -35,7 +59,7 @@ class _Padded:
 
 @dataclass
 class _TorchPlan:
-    padded: _Padded | None
+    padded: list[_Padded]
     # (token_start, token_end, page ids [n_pages] long, kv_len, mask [q_len, kv_len] or None = causal)
     long: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]
 
@@ -68,7 +92,9 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(kv_len).unsqueeze(0) <= q_pos
             n_pages = (kv_len + meta.page_size - 1) // meta.page_size
             long.append((indptr[b], indptr[b + 1], meta.page_table[b, :n_pages].long(), kv_len, mask))
-        meta.plan = _TorchPlan(self._plan_padded(meta, short, indptr, tree_indptr) if short else None, long)
+        groups = group_by_pages([-(-meta.kv_lens_host[b] // meta.page_size) for b in short]) if short else []
+        padded = [self._plan_padded(meta, [short[i] for i in sorted(g)], indptr, tree_indptr) for g in groups]
+        meta.plan = _TorchPlan(padded, long)
         return meta
 
     def _plan_padded(self, meta, seqs: list[int], indptr: list[int], tree_indptr) -> _Padded:
@@ -103,8 +129,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = pool.k_cache(layer_id), pool.v_cache(layer_id)
         plan: _TorchPlan = meta.plan
         out = torch.empty_like(q)
-        if plan.padded is not None:
-            pad = plan.padded
+        for pad in plan.padded:
             nb, q_max = pad.rows.shape
             kb = _gather(k_cache, pad.pages, nb, q.dtype)  # [B, Hkv, S, D]
             vb = _gather(v_cache, pad.pages, nb, q.dtype)

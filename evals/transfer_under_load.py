@@ -1,0 +1,85 @@
+"""Raw Mooncake (loopback TCP) with the sender pinned to core 0 and the receiver to core 1, as P and D
+are in evals/bench_pd.py: idle cores vs both cores kept busy by a spinning process each (a stand-in
+for P's prefill and D's decode, which own those cores while KV moves in bench_pd).
+
+Same page size (737,280 B: 16 SmolLM2 tokens, 30 layers, fp32), one descriptor per page, one call per
+request-sized batch; median and best MB/s over the calls after 5 warm-up calls.
+
+  python evals/transfer_under_load.py          # -> evals/results/pd_transfer_under_load.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
+PAGE_BYTES = 737_280
+
+
+def endpoint(role: str, pages: int, calls: int, port: int = 0, ptr: int = 0) -> None:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    import torch
+
+    from specpd.disagg.transfer.mooncake import load_transfer_engine
+    buf = torch.zeros(pages * PAGE_BYTES // 4)
+    eng = load_transfer_engine()()
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert eng.register_memory(buf.data_ptr(), buf.numel() * 4) == 0
+    if role == "recv":
+        print(json.dumps({"port": eng.get_rpc_port(), "ptr": buf.data_ptr()}), flush=True)
+        sys.stdin.read()  # until the parent closes our stdin
+        return
+    times = []
+    for _ in range(calls + 5):
+        t0 = time.perf_counter()
+        rc = eng.batch_transfer_sync_write(f"127.0.0.1:{port}", [buf.data_ptr() + i * PAGE_BYTES for i in range(pages)],
+                                           [ptr + i * PAGE_BYTES for i in range(pages)], [PAGE_BYTES] * pages)
+        times.append(time.perf_counter() - t0)
+        assert rc == 0, rc
+    print(json.dumps(sorted(times[5:])), flush=True)
+
+
+def measure(pages: int, calls: int, busy: bool) -> dict:
+    me = [sys.executable, os.path.abspath(__file__)]
+    recv = subprocess.Popen(["taskset", "-c", "1", *me, "recv", str(pages), str(calls)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    spinners = []
+    try:
+        info = json.loads(recv.stdout.readline())
+        if busy:
+            spinners = [subprocess.Popen(["taskset", "-c", c, sys.executable, "-c", "while True: pass"]) for c in "01"]
+        out = subprocess.run(["taskset", "-c", "0", *me, "send", str(pages), str(calls), str(info["port"]),
+                              str(info["ptr"])], capture_output=True, text=True, check=True).stdout
+        times = json.loads(out.strip().splitlines()[-1])
+    finally:
+        for p in spinners:
+            p.kill()
+        recv.stdin.close()
+        recv.wait(10)
+    nbytes = pages * PAGE_BYTES
+    return {"pages": pages, "bytes_per_call": nbytes, "calls": len(times), "busy_cores": busy,
+            "mb_per_s_median": nbytes / times[len(times) // 2] / 1e6, "mb_per_s_best": nbytes / times[0] / 1e6}
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in ("send", "recv"):
+        role, pages, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        endpoint(role, pages, calls, *(int(a) for a in sys.argv[4:6]))
+        return 0
+    from common import log, machine_info, versions, write_json
+    rows = [measure(pages, 40, busy) for pages in (7, 20) for busy in (False, True)]
+    for r in rows:
+        log(f"{r['pages']:3d} pages/call  busy={r['busy_cores']!s:5}  median {r['mb_per_s_median']:7.0f} MB/s  "
+            f"best {r['mb_per_s_best']:7.0f} MB/s")
+    write_json(os.path.join(EVALS_DIR, "results", "pd_transfer_under_load.json"),
+               {"description": __doc__.split("\n\n")[0], "page_bytes": PAGE_BYTES, "results": rows,
+                "machine": machine_info(), "versions": versions()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

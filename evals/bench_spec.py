@@ -107,6 +107,29 @@ class Bench:
         return row
 
 
+def interleaved_reps(benches: dict[str, Bench], prompts: list[list[int]], output_len: int,
+                     batch_sizes: list[int], reps: dict[int, int]):
+    """Every config at every batch size, rep by rep in a rotating order (rep 0 starts with the first
+    config, whose outputs become the references: replay drafters replay them, every run must equal
+    them). Returns ({(config, batch): [row per rep]}, {batch: reference outputs})."""
+    names = list(benches)
+    raw: dict[tuple[str, int], list[dict]] = {(n, b): [] for n in names for b in batch_sizes}
+    references: dict[int, list[list[int]]] = {}
+    for rep in range(max(reps.values())):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for b in (b for b in batch_sizes if rep < reps[b]):
+            for name in order:
+                row = benches[name].run(prompts[:b], output_len, references.get(b))
+                references.setdefault(b, row["outputs"])
+                row["lossless"] = row["outputs"] == references[b]
+                raw[name, b].append(row)
+                log(f"rep {rep} b{b} {name:>22}: {row['tokens_per_s']:6.1f} tok/s  decode "
+                    f"{row['decode_tokens_per_s']:6.1f} (/cpu-s {row['decode_tokens_per_cpu_s']:6.1f})  "
+                    f"tau {row.get('accept_length', 1.0):.2f}  "
+                    f"lossless {row['lossless']}  load {row['loadavg_1m']:.2f}  cpu {row['cpu_util']:.2f}")
+    return raw, references
+
+
 class Timers:
     """Wall-clock accumulators wrapped around chosen callables (instance methods or module functions)."""
 
@@ -296,21 +319,8 @@ def main() -> None:
         for b in args.batch_sizes:
             bench.run([p[:32] for p in prompts[:b]], 6)
 
-    raw: dict[tuple[str, int], list[dict]] = {(n, b): [] for n in names for b in args.batch_sizes}
-    references: dict[int, list[list[int]]] = {}
     reps = {b: args.reps_b1 if b == 1 else args.reps for b in args.batch_sizes}
-    for rep in range(max(reps.values())):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # rep 0 starts with base: the references
-        for b in (b for b in args.batch_sizes if rep < reps[b]):
-            for name in order:
-                row = benches[name].run(prompts[:b], args.output_len, references.get(b))
-                references.setdefault(b, row["outputs"])
-                row["lossless"] = row["outputs"] == references[b]
-                raw[name, b].append(row)
-                log(f"rep {rep} b{b} {name:>8}: {row['tokens_per_s']:6.1f} tok/s  decode "
-                    f"{row['decode_tokens_per_s']:6.1f} (/cpu-s {row['decode_tokens_per_cpu_s']:6.1f})  "
-                    f"tau {row.get('accept_length', 1.0):.2f}  "
-                    f"lossless {row['lossless']}  load {row['loadavg_1m']:.2f}  cpu {row['cpu_util']:.2f}")
+    raw, references = interleaved_reps(benches, prompts, args.output_len, args.batch_sizes, reps)
     t_reps = time.perf_counter() - t_start
 
     results = summarize(raw)

@@ -20,7 +20,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def run_trained(args) -> None:
-    from bench_spec import Bench, compare, summarize  # the same runner and statistics as the replay bench
+    from bench_spec import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
     torch.set_num_threads(args.threads)
     machine, code_versions = machine_info(), versions()
     t_start = time.perf_counter()
@@ -39,23 +39,8 @@ def run_trained(args) -> None:
     names = list(benches)
     for bench in benches.values():  # warmup
         bench.run([p[:32] for p in prompts[:2]], 6)
-    raw = {(n, b): [] for n in names for b in args.batch_sizes}
-    references: dict[int, list[list[int]]] = {}
     reps = {b: args.reps_b1 if b == 1 else args.reps for b in args.batch_sizes}
-    for rep in range(max(reps.values())):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        if rep == 0:
-            order = names  # base first: the references
-        for b in (b for b in args.batch_sizes if rep < reps[b]):
-            for name in order:
-                row = benches[name].run(prompts[:b], args.output_len)
-                references.setdefault(b, row["outputs"])
-                row["lossless"] = row["outputs"] == references[b]
-                raw[name, b].append(row)
-                log(f"rep {rep} b{b} {name:>22}: {row['tokens_per_s']:6.1f} tok/s  decode "
-                    f"{row['decode_tokens_per_s']:6.1f} (/cpu-s {row['decode_tokens_per_cpu_s']:6.1f})  "
-                    f"tau {row.get('accept_length', 1.0):.2f}  lossless {row['lossless']}  "
-                    f"load {row['loadavg_1m']:.2f}")
+    raw, _ = interleaved_reps(benches, prompts, args.output_len, args.batch_sizes, reps)  # base first
     results, ratios = summarize(raw), compare(raw, names, args.batch_sizes)
     draft_path = resolve_draft_path(draft, alg)
     b1 = min(args.batch_sizes)

@@ -164,14 +164,18 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         resp = await state["client"].get(decode_urls[0] + "/v1/models")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
+    async def ask_backends(path: str, timeout: float) -> list[tuple[str, httpx.Response | Exception]]:
+        """GET `path` on every P and D at once: [(url, response or the exception)], P first."""
+        urls = prefill_urls + decode_urls
+        results = await asyncio.gather(*(state["client"].get(u + path, timeout=timeout) for u in urls),
+                                       return_exceptions=True)
+        return list(zip(urls, results))
+
     @app.get("/health")
     async def health():
-        client: httpx.AsyncClient = state["client"]
-        urls = prefill_urls + decode_urls
-        results = await asyncio.gather(*(client.get(u + "/health", timeout=10.0) for u in urls),
-                                       return_exceptions=True)
+        answers = await ask_backends("/health", 10.0)
         bad = [f"{u}: {r!r}" if isinstance(r, Exception) else f"{u}: health {r.status_code}"
-               for u, r in zip(urls, results) if isinstance(r, Exception) or r.status_code != 200]
+               for u, r in answers if isinstance(r, Exception) or r.status_code != 200]
         if bad:
             return _error("backend(s) not healthy: " + "; ".join(bad), 503)
         return {"status": "ok"}
@@ -179,12 +183,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
     @app.get("/server_info")
     async def server_info():
         """The router's own facts plus each backend's /server_info (pages, acceptance), and their sums."""
-        client: httpx.AsyncClient = state["client"]
-        urls = prefill_urls + decode_urls
-        infos = await asyncio.gather(*(client.get(u + "/server_info", timeout=5.0) for u in urls),
-                                     return_exceptions=True)
         backends = {}
-        for url, resp in zip(urls, infos):
+        for url, resp in await ask_backends("/server_info", 5.0):
             try:
                 info = resp.json()
             except (AttributeError, ValueError):

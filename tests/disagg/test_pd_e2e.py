@@ -11,9 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
@@ -24,7 +21,7 @@ from specpd.core import SamplingParams
 from specpd.disagg.transfer import backend_available
 from specpd.engine.llm_engine import LLMEngine
 from tests.model.hf_models import save_tiny_model
-from tests.server.launcher import REPO, free_port, launch_server, tail
+from tests.server.launcher import free_port, launch_server, launch_servers
 
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), list(range(1, 33))]
 MAX_TOKENS = 12
@@ -56,41 +53,8 @@ def expected(tiny):
 @contextlib.contextmanager
 def servers(specs: list[list[str]]):
     """Start every `specpd serve` command line at once; yields their base URLs once all answer /health."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OPENBLAS_NUM_THREADS": "1"}
-    procs = []
-    try:
-        for args in specs:
-            port = free_port()
-            log = tempfile.NamedTemporaryFile("w+", prefix="specpd-pd-", suffix=".log", delete=False)
-            cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), "--log-level", "warning", *args]
-            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
-                          f"http://127.0.0.1:{port}", log))
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for proc, base, log in procs:
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{tail(log.name)}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{proc.args} not healthy:\n{tail(log.name)}")
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.3)
+    with launch_servers([["--log-level", "warning", *args] for args in specs], STARTUP_TIMEOUT_S) as procs:
         yield [base for _, base, _ in procs]
-    finally:
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, log in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-            os.unlink(log.name)
 
 
 def engine_args(model_dir, page_size=4):

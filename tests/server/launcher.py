@@ -21,40 +21,54 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def launch_servers(specs: list[list[str]], timeout_s: float = STARTUP_TIMEOUT_S):
+    """Start every `specpd serve ARGS` at once (each on a free --port); yields [(proc, base URL, log path)]
+    once all answer /health; stops them all afterwards."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OPENBLAS_NUM_THREADS": "1"}
+    procs = []
+    try:
+        for args in specs:
+            port = free_port()
+            log = tempfile.NamedTemporaryFile("w+", prefix="specpd-serve-", suffix=".log", delete=False)
+            cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), *args]
+            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                          f"http://127.0.0.1:{port}", log))
+        deadline = time.monotonic() + timeout_s
+        for proc, base, log in procs:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"{proc.args} exited with {proc.returncode}:\n{tail(log.name)}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{proc.args} not healthy after {timeout_s}s:\n{tail(log.name)}")
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.3)
+        yield [(proc, base, log.name) for proc, base, log in procs]
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, log in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+            os.unlink(log.name)
+
+
+@contextlib.contextmanager
 def launch_server(extra_args: list[str]):
     """Yields {"proc", "client", "base", "model", "total_pages", "log"} once /health answers."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="specpd-serve-", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), *extra_args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{tail(log.name)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{tail(log.name)}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    with launch_servers([extra_args]) as [(proc, base, log)]:
         with httpx.Client(base_url=base, timeout=120) as client:
             info = client.get("/server_info").json()
             yield {"proc": proc, "client": client, "base": base, "model": info.get("model"),
-                   "total_pages": info.get("total_pages"), "log": log.name}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+                   "total_pages": info.get("total_pages"), "log": log}
 
 
 def tail(path: str, n: int = 4000) -> str:

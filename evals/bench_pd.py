@@ -3,7 +3,9 @@
 Servers are real `specpd serve` processes on 127.0.0.1. PD: prefill pinned to core 0 and decode to core 1
 (`taskset`, one torch thread each) behind the router; unified: one process with two torch threads on both
 cores. Configurations (each a fresh set of servers): unified and PD, non-speculative and speculative
-(`--speculative-algorithm ALG --draft-model DRAFT`), PD in both draft modes.
+(`--speculative-algorithm ALG --draft-model DRAFT`), PD in both draft modes. Every server runs with
+`--engine-priority low` (--engine-priority), and `pd_normal_priority` repeats non-spec 1P1D at normal
+priority: on a core the engine owns, a KV write otherwise waits for the scheduler at each round trip.
 
 Workloads, greedy, ignore_eos (every request generates --max-tokens tokens), streamed (usage included):
   short  N held-out ShareGPT prompts (first human turn, chat template), Poisson arrivals at --rate req/s
@@ -231,7 +233,9 @@ def main() -> int:
     ap.add_argument("--num-long", type=int, default=2)
     ap.add_argument("--long-len", type=int, default=2000)
     ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
-    ap.add_argument("--configs", default="unified,unified_spec,pd,pd_spec_both,pd_spec_decode_only")
+    ap.add_argument("--configs", default="unified,unified_spec,pd,pd_spec_both,pd_spec_decode_only,pd_normal_priority")
+    ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
+                    help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -258,12 +262,15 @@ def main() -> int:
     mixed_prompts, mixed_delays = short + long_prompts, delays + long_delays
     short_idx = list(range(len(short)))
 
-    base_args = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024"]
+    base_args = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
+                 "--engine-priority", args.engine_priority]
     spec_args = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model,
                  "--spec-num-steps", str(args.spec_steps)]
     configs = {"unified": ("unified", []), "unified_spec": ("unified", spec_args),
                "pd": ("pd", []), "pd_spec_both": ("pd", spec_args + ["--draft-mode", "both"]),
-               "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"])}
+               "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"]),
+               # the effect of --engine-priority, side by side (the flag's last value wins)
+               "pd_normal_priority": ("pd", ["--engine-priority", "normal"])}
     results, outputs = {}, {}
     t_start = time.perf_counter()
     for name in args.configs.split(","):
@@ -322,7 +329,8 @@ def main() -> int:
               "backend": args.backend, "model": "default (SmolLM2-135M-Instruct)", "draft_model": args.draft_model,
               "algorithm": args.algorithm, "spec_steps": args.spec_steps, "num_short": len(short),
               "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,
-              "rate_req_per_s": args.rate, "max_tokens": args.max_tokens, "arrival_s": delays,
+              "rate_req_per_s": args.rate, "max_tokens": args.max_tokens,
+              "engine_priority": args.engine_priority, "arrival_s": delays,
               "long_arrival_s": long_delays, "results": results, "ratios": ratios, "raw_mooncake": raw,
               "bench_wall_s": round(time.perf_counter() - t_start, 1), **meta}
     write_json(out_path, report)

@@ -1,6 +1,7 @@
 """Raw Mooncake (loopback TCP) with the sender pinned to core 0 and the receiver to core 1, as P and D
 are in evals/bench_pd.py: idle cores vs both cores kept busy by a spinning process each (a stand-in
-for P's prefill and D's decode, which own those cores while KV moves in bench_pd).
+for P's prefill and D's decode, which own those cores while KV moves in bench_pd), the spinners at
+normal priority and under SCHED_IDLE (what `--engine-priority low` does to a server's engine thread).
 
 Same page size (737,280 B: 16 SmolLM2 tokens, 30 layers, fp32), one descriptor per page, one call per
 request-sized batch; median and best MB/s over the calls after 5 warm-up calls.
@@ -43,15 +44,19 @@ def endpoint(role: str, pages: int, calls: int, port: int = 0, ptr: int = 0) -> 
     print(json.dumps(sorted(times[5:])), flush=True)
 
 
-def measure(pages: int, calls: int, busy: bool) -> dict:
+LOADS = {"idle": None, "busy": [], "busy_sched_idle": ["chrt", "-i", "0"]}  # spinner command prefix
+
+
+def measure(pages: int, calls: int, load: str) -> dict:
     me = [sys.executable, os.path.abspath(__file__)]
     recv = subprocess.Popen(["taskset", "-c", "1", *me, "recv", str(pages), str(calls)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     spinners = []
     try:
         info = json.loads(recv.stdout.readline())
-        if busy:
-            spinners = [subprocess.Popen(["taskset", "-c", c, sys.executable, "-c", "while True: pass"]) for c in "01"]
+        if LOADS[load] is not None:
+            spinners = [subprocess.Popen([*LOADS[load], "taskset", "-c", c, sys.executable, "-c", "while True: pass"])
+                        for c in "01"]
         out = subprocess.run(["taskset", "-c", "0", *me, "send", str(pages), str(calls), str(info["port"]),
                               str(info["ptr"])], capture_output=True, text=True, check=True).stdout
         times = json.loads(out.strip().splitlines()[-1])
@@ -61,7 +66,7 @@ def measure(pages: int, calls: int, busy: bool) -> dict:
         recv.stdin.close()
         recv.wait(10)
     nbytes = pages * PAGE_BYTES
-    return {"pages": pages, "bytes_per_call": nbytes, "calls": len(times), "busy_cores": busy,
+    return {"pages": pages, "bytes_per_call": nbytes, "calls": len(times), "load": load,
             "mb_per_s_median": nbytes / times[len(times) // 2] / 1e6, "mb_per_s_best": nbytes / times[0] / 1e6}
 
 
@@ -71,9 +76,9 @@ def main() -> int:
         endpoint(role, pages, calls, *(int(a) for a in sys.argv[4:6]))
         return 0
     from common import log, machine_info, versions, write_json
-    rows = [measure(pages, 40, busy) for pages in (7, 20) for busy in (False, True)]
+    rows = [measure(pages, 40, load) for pages in (7, 20) for load in LOADS]
     for r in rows:
-        log(f"{r['pages']:3d} pages/call  busy={r['busy_cores']!s:5}  median {r['mb_per_s_median']:7.0f} MB/s  "
+        log(f"{r['pages']:3d} pages/call  {r['load']:16}  median {r['mb_per_s_median']:7.0f} MB/s  "
             f"best {r['mb_per_s_best']:7.0f} MB/s")
     write_json(os.path.join(EVALS_DIR, "results", "pd_transfer_under_load.json"),
                {"description": __doc__.split("\n\n")[0], "page_bytes": PAGE_BYTES, "results": rows,

@@ -38,11 +38,11 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client hung up first"; nobody reads it
 
 
-def create_app(engine, role: str = "unified") -> FastAPI:
+def create_app(engine, role: str = "unified", engine_priority: str = "normal") -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
     starts with the app's lifespan and stops with it."""
     metrics = ServerMetrics(lambda: async_engine.stats(), engine.model_name)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, priority=engine_priority)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

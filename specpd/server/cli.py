@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
         engine = DecodeWorker(engine, args.transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
                               prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
                               heartbeat_timeout_s=args.pd_heartbeat_timeout)
-    app = create_app(engine, role=args.role)
+    app = create_app(engine, role=args.role, engine_priority=args.engine_priority)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     asyncio.run(_serve(server, args.host, args.port, engine.model_name, role=args.role))
@@ -225,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     p.add_argument("--role", choices=ROLES, default="unified", help="what this process serves (default: unified)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--engine-priority", choices=("normal", "low"), default="normal",
+                   help="low: the engine thread runs under SCHED_IDLE, so this process's HTTP and KV "
+                        "transfer threads preempt it the moment they wake (CPU servers sharing a core "
+                        "with their transfers) (default: normal)")
     pd = p.add_argument_group("disaggregation (--role prefill / decode / router)")
     pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default="tcp",
                     help="KV page transfer engine, the same on P and D (default: tcp)")

@@ -21,7 +21,8 @@ vocab row per token is ~100x the hidden's size; the trainer recomputes them from
 the frozen head (one [rows, H] x [H, V] matmul per batch).
 
 index.json records what the cache was built from (`spec`) and its chunks; extraction resumes after
-the last complete chunk, and a cache built from a different spec is refused, never mixed.
+the last complete chunk, and a cache built from a different spec is refused, never mixed (one built
+with aux layers serves a run that needs none: `--feature-dir` of an EAGLE-3 run trains MTP/EAGLE).
 """
 from __future__ import annotations
 
@@ -164,12 +165,19 @@ def _read_index(cache_dir: str, spec: dict[str, Any]) -> dict | None:
         return None
     with open(path, encoding="utf-8") as f:
         index = json.load(f)
-    if index["spec"] != spec:
+    if index["spec"] != spec and not serves(index["spec"], spec):
         diff = sorted(k for k in set(spec) | set(index["spec"]) if spec.get(k) != index["spec"].get(k))
         raise ValueError(f"feature cache {cache_dir!r} was built with a different spec (differs in {diff}: "
                          f"cached {[index['spec'].get(k) for k in diff]}, requested {[spec.get(k) for k in diff]}); "
                          "use another --feature-dir or delete it")
     return index
+
+
+def serves(cached: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """A cache built with EAGLE-3's aux layers also serves a run that needs none (EAGLE-1, MTP): the
+    rest of each chunk (ids, masks, final hidden, argmax) does not depend on them."""
+    rest = lambda d: {k: v for k, v in d.items() if k != "aux_layer_ids"}  # noqa: E731
+    return not wanted.get("aux_layer_ids") and rest(cached) == rest(wanted)
 
 
 def _write_index(cache_dir: str, index: dict) -> None:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -84,6 +85,37 @@ def test_scattered_pages_arrive_byte_exact(make_backend, dtype):
     untouched = [p for p in range(64) if p not in dst]
     assert not d_target.buffer[untouched].any() and not d_draft.buffer[untouched].any()
     assert sender.quiescent(receiver.session_id)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_writers_keep_the_policy_of_the_thread_that_built_the_backend(make_backend, backend_name):
+    """A server builds its backend, then lowers its engine thread (--engine-priority low) and submits
+    from it: the writer threads must exist already and stay at normal priority, or every KV write
+    waits behind the engine."""
+    from specpd.server.async_engine import lower_thread_priority
+
+    def writers():
+        return {t.native_id for t in threading.enumerate() if t.name.startswith(f"specpd-{backend_name}_")}
+
+    p_target, p_draft = _pools(8, torch.float32, seed=0)
+    d_target, d_draft = _pools(8, torch.float32)
+    sender, receiver = make_backend(), make_backend()
+    sender.register([p_target.buffer, p_draft.buffer])
+    d_layouts = receiver.register([d_target.buffer, d_draft.buffer])
+    before = writers()
+    assert len(before) == 4  # two per backend, started by the constructor
+    done = {}
+
+    def engine_thread():
+        assert lower_thread_priority()
+        done["result"] = sender.submit(receiver.session_id, [0, 1, 2], [5, 6, 7], d_layouts).wait(timeout=30)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert done["result"].ok
+    assert torch.equal(p_target.buffer[:3], d_target.buffer[5:8])
+    assert writers() == before and all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in before)
 
 
 def test_shorter_pages_fill_the_prefix_of_the_peers_pages(make_backend):

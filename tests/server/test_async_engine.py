@@ -1,5 +1,6 @@
 """AsyncEngine (engine thread <-> event loop) against a tiny fake engine: no model, fast."""
 import asyncio
+import os
 import threading
 import time
 
@@ -134,3 +135,29 @@ def test_engine_failure_fails_requests_and_marks_dead():
             await engine.submit("r2", [1], SamplingParams(max_tokens=2))
 
     _run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_low_priority_puts_only_the_engine_thread_in_sched_idle():
+    class Recording(FakeEngine):
+        policies: set[int] = set()
+
+        def step(self):
+            self.policies.add(os.sched_getscheduler(0))
+            return super().step()
+
+    fake = Recording()
+
+    async def main():
+        engine = AsyncEngine(fake, priority="low")
+        engine.start()
+        stream = await engine.submit("r", [1], SamplingParams(max_tokens=3))
+        outs = [o async for o in stream]
+        engine.stop()
+        return outs
+
+    assert _run(main())[-1].num_output_tokens == 3
+    assert fake.policies == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the loop (HTTP) thread keeps its policy
+    with pytest.raises(ValueError, match="engine priority"):
+        AsyncEngine(FakeEngine(), priority="lowest")

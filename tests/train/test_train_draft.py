@@ -23,7 +23,7 @@ from specpd.train.data import (held_out_ids, is_held_out, to_conversation, token
 from specpd.train.dense_attention import DenseMeta, DenseTrainingBackend
 from specpd.train.distill import self_distill
 from specpd.train.draft_init import new_draft, select_draft_vocab
-from specpd.train.features import extract_features, target_features, target_runner
+from specpd.train.features import extract_features, open_cache, target_features, target_runner
 from specpd.train.objective import DraftObjective, TrainBatch
 from tests.train.tiny_chat import save_tiny_chat_model, sharegpt_records, write_jsonl
 
@@ -104,6 +104,21 @@ def test_feature_cache_resumes_after_the_last_complete_chunk(setup, tmp_path):
     assert a["aux"].shape[1] == 3 * a["hidden"].shape[1]
     with pytest.raises(ValueError, match="different spec"):
         extract_features(runner, iter(convs), str(cut), {"test": 2}, (), progress=False)
+
+
+def test_a_cache_with_aux_layers_serves_a_run_without(setup, tmp_path):
+    """MTP / EAGLE-1 reuse an EAGLE-3 run's features (--feature-dir): the aux columns go unread."""
+    path, _, records, checkpoint, _ = setup
+    runner, _ = target_runner(path, "float32", 256, 128, checkpoint)
+    convs = list(training_conversations(records[:4], checkpoint.tokenizer, 256, None))
+    spec = {"test": 1, "aux_layer_ids": AUX}
+    built = extract_features(runner, iter(convs), str(tmp_path), spec, tuple(AUX), progress=False)
+    reused = open_cache(str(tmp_path), {"test": 1, "aux_layer_ids": []})
+    assert reused is not None and reused.chunks == built.chunks
+    with pytest.raises(ValueError, match="different spec"):  # other aux layers: not the same features
+        open_cache(str(tmp_path), {"test": 1, "aux_layer_ids": [1, 2, 3]})
+    with pytest.raises(ValueError, match="different spec"):
+        open_cache(str(tmp_path), {"test": 2, "aux_layer_ids": []})
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])

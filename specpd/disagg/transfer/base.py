@@ -108,6 +108,16 @@ class TransferBackend(ABC):
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix=f"specpd-{self.name}")
         self._closed = False
+        self._start_workers(num_workers)
+
+    def _start_workers(self, n: int) -> None:
+        """Start the writer threads now, from the constructing thread, so they keep its scheduling
+        policy: the pool would otherwise spawn them from the first caller of submit (the engine
+        thread, which a server may have put in SCHED_IDLE)."""
+        barrier = threading.Barrier(n + 1)
+        for _ in range(n):
+            self._executor.submit(barrier.wait)
+        barrier.wait()
 
     # -- the backend-specific part
 

@@ -1,9 +1,10 @@
 """Real processes on 127.0.0.1: router -> prefill (P) + decode (D), a tiny random Llama, token-id prompts.
 
 Greedy output through the router equals the unified engine's (non-stream and stream), with every transfer
-backend that loads here, non-spec and EAGLE in both draft modes (with the unified engine's acceptance
-counts); P's and D's free pages return to their totals; a P with another page size is refused by D with both
-values named, and the router drops P's half of that request. `specpd serve --disagg 1p1d` brings up the
+backend that loads here, non-spec and EAGLE chain and tree in both draft modes (with the unified engine's
+acceptance counts); a seeded sampled request gives the unified engine's tokens; P's and D's free pages
+return to their totals; a P with another page size is refused by D with both values named, and the router
+drops P's half of that request; a duplicate room is refused by P without harming the first owner. `specpd serve --disagg 1p1d` brings up the
 cluster; a prefill server killed mid-request gives the client an error and D its pages back.
 """
 import concurrent.futures
@@ -105,33 +106,52 @@ def _backend(name):
     return pytest.mark.skipif(not ok, reason=why)
 
 
-CASES = [pytest.param("tcp", None, id="tcp"), pytest.param("mooncake", None, id="mooncake", marks=_backend("mooncake")),
-         pytest.param("tcp", "both", id="tcp-eagle-draft-on-both"),
-         pytest.param("tcp", "decode-only", id="tcp-eagle-draft-on-decode-only"),
-         pytest.param("mooncake", "decode-only", id="mooncake-eagle-draft-on-decode-only", marks=_backend("mooncake"))]
+TREE = ("2", "6")  # --spec-topk, --spec-num-draft-tokens
+CASES = [pytest.param("tcp", None, None, id="tcp"),
+         pytest.param("mooncake", None, None, id="mooncake", marks=_backend("mooncake")),
+         pytest.param("tcp", "both", None, id="tcp-eagle-chain-draft-on-both"),
+         pytest.param("tcp", "decode-only", None, id="tcp-eagle-chain-draft-on-decode-only"),
+         pytest.param("tcp", "both", TREE, id="tcp-eagle-tree-draft-on-both"),
+         pytest.param("mooncake", "decode-only", TREE, id="mooncake-eagle-tree-draft-on-decode-only",
+                      marks=_backend("mooncake"))]
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
 
 
-def unified_spec_counts(model_dir, eagle_dir) -> list[tuple[int, int]]:
+def spec_flags(eagle_dir, mode, tree) -> list[str]:
+    if not mode:
+        return []
+    flags = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
+             "--draft-mode", mode]
+    return flags + (["--spec-topk", tree[0], "--spec-num-draft-tokens", tree[1]] if tree else [])
+
+
+def unified_run(model_dir, eagle_dir, mode, tree) -> tuple[list[tuple[int, int]], list[int]]:
+    """The unified engine on the same config: per-prompt (verify count, accepted tokens) for greedy, and
+    the tokens of the seeded sampled request."""
     from specpd.config import SpecConfig
-    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128),
-                                    spec=SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3)))
+    spec = SpecConfig()
+    if mode:
+        spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, draft_mode=mode,
+                          **({"spec_topk": int(tree[0]), "spec_num_draft_tokens": int(tree[1])} if tree else {}))
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128), spec=spec))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return [(o.spec_verify_count, o.spec_accepted_tokens) for o in engine.generate(PROMPTS, params)]
+    counts = [(o.spec_verify_count, o.spec_accepted_tokens) for o in engine.generate(PROMPTS, params)]
+    sampled = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **SEEDED))[0]
+    return counts, sampled.token_ids
 
 
-@pytest.mark.parametrize("backend,mode", CASES)
-def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, mode):
+@pytest.mark.parametrize("backend,mode,tree", CASES)
+def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, mode, tree):
     p_boot, p8_boot = free_port(), free_port()
-    spec_args = (["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
-                  "--draft-mode", mode] if mode else [])
+    spec_args = spec_flags(eagle_dir, mode, tree)
     specs = [["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p_boot),
               *engine_args(model_dir), *spec_args],
              ["--role", "decode", "--transfer-backend", backend, *engine_args(model_dir), *spec_args]]
     mismatch = backend == "tcp" and not mode
     if mismatch:  # the mismatch check once: a P with another page size
         specs.append(["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p8_boot),
-                      *engine_args(model_dir, page_size=8)])
-    want_counts = unified_spec_counts(model_dir, eagle_dir) if mode else None
+                      "--pd-bootstrap-timeout", "3", *engine_args(model_dir, page_size=8)])
+    want_counts, want_sampled = unified_run(model_dir, eagle_dir, mode, tree)
     with servers(specs) as bases:
         p_url, d_url = bases[0], bases[1]
         routers = [["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port", str(p_boot)]]
@@ -150,6 +170,12 @@ def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, b
                     assert (usage["spec_verify_count"], usage["spec_accepted_tokens"]) == \
                         want_counts[PROMPTS.index(prompt)]
                 assert stream_tokens(client, body) == want
+            # seeded sampling: the same tokens as the unified engine (P samples y0, D the rest)
+            resp = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS,
+                                                        "ignore_eos": True, "logprobs": 0, **SEEDED})
+            assert resp.status_code == 200, resp.text
+            tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
+            assert [int(t.removeprefix("token_id:")) for t in tokens] == want_sampled
             for base in (p_url, d_url):
                 info = wait_free_pages(base)
                 assert info["free_pages"] == info["total_pages"], (base, info)
@@ -162,6 +188,27 @@ def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, b
                 while httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert httpx.get(bases[2] + "/server_info").json()["pd_bootstrap"] == 0
+                check_duplicate_room_refused(bases[2])
+
+
+def check_duplicate_room_refused(p_url: str) -> None:
+    """A second request for a room P holds gets a 400 naming the room; the first owner is untouched and
+    fails only by its own bootstrap timeout (no D claims it here); P's pages come back."""
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 4242}
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, **room}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, p_url + "/v1/completions", json=body, timeout=60)
+        deadline = time.monotonic() + 10
+        while httpx.get(p_url + "/server_info").json()["pd_bootstrap"] != 1:
+            assert time.monotonic() < deadline and not first.done(), "P never queued the first request"
+            time.sleep(0.05)
+        second = httpx.post(p_url + "/v1/completions", json=body, timeout=60)
+        assert second.status_code == 400 and "room 4242 is already in use" in second.text, second.text
+        assert httpx.get(p_url + "/server_info").json()["pd_bootstrap"] == 1
+        resp = first.result(timeout=30)
+    assert resp.status_code >= 500 and "no decode server claimed room 4242" in resp.text, resp.text
+    info = wait_free_pages(p_url)
+    assert info["free_pages"] == info["total_pages"] and info["pd_bootstrap"] == 0, info
 
 
 def test_disagg_cluster_launcher(model_dir, expected):

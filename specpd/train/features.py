@@ -21,8 +21,9 @@ vocab row per token is ~100x the hidden's size; the trainer recomputes them from
 the frozen head (one [rows, H] x [H, V] matmul per batch).
 
 index.json records what the cache was built from (`spec`) and its chunks; extraction resumes after
-the last complete chunk, and a cache built from a different spec is refused, never mixed (one built
-with aux layers serves a run that needs none: `--feature-dir` of an EAGLE-3 run trains MTP/EAGLE).
+the last complete chunk, and a cache built from a different spec is refused, never mixed; one built
+for more tokens or with aux layers serves a run that needs a prefix of it or no aux (`serves`), so
+`--feature-dir` of an EAGLE-3 run trains MTP / EAGLE heads and smaller-budget runs.
 """
 from __future__ import annotations
 
@@ -174,10 +175,18 @@ def _read_index(cache_dir: str, spec: dict[str, Any]) -> dict | None:
 
 
 def serves(cached: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """A cache built with EAGLE-3's aux layers also serves a run that needs none (EAGLE-1, MTP): the
-    rest of each chunk (ids, masks, final hidden, argmax) does not depend on them."""
-    rest = lambda d: {k: v for k, v in d.items() if k != "aux_layer_ids"}  # noqa: E731
-    return not wanted.get("aux_layer_ids") and rest(cached) == rest(wanted)
+    """A cache also serves a run that needs less of it:
+    - no aux layers (EAGLE-1, MTP) from a cache built with EAGLE-3's: the rest of each chunk (ids,
+      masks, final hidden, argmax) does not depend on them;
+    - a smaller --max-train-tokens: conversations come in a fixed order and a budget takes a prefix
+      of them (training_conversations), so the smaller run reads that prefix (FeatureCache)."""
+    if wanted.get("aux_layer_ids") and wanted.get("aux_layer_ids") != cached.get("aux_layer_ids"):
+        return False
+    have, want = cached.get("max_train_tokens"), wanted.get("max_train_tokens")
+    if have is not None and (want is None or want > have):
+        return False
+    rest = lambda d: {k: v for k, v in d.items() if k not in ("aux_layer_ids", "max_train_tokens")}  # noqa: E731
+    return rest(cached) == rest(wanted)
 
 
 def _write_index(cache_dir: str, index: dict) -> None:
@@ -197,6 +206,9 @@ class FeatureCache:
         if index is None or not index["complete"]:
             raise ValueError(f"feature cache {self.cache_dir!r} is missing or incomplete")
         self.chunks: list[dict] = index["chunks"]
+        budget = self.spec.get("max_train_tokens")
+        if budget is not None and budget < (index["spec"].get("max_train_tokens") or float("inf")):
+            self.chunks = _prefix(self.chunks, budget)
 
     @property
     def num_tokens(self) -> int:
@@ -213,7 +225,24 @@ class FeatureCache:
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """[vocab] int64: how often each token is a training target (loss_mask 1) in the cache."""
         counts = torch.zeros(vocab_size, dtype=torch.int64)
-        for i in range(len(self.chunks)):
+        for i, chunk in enumerate(self.chunks):
             t = self.load(i, ("input_ids", "loss_mask"))
-            counts += torch.bincount(t["input_ids"][t["loss_mask"].bool()].long(), minlength=vocab_size)
+            n = sum(chunk["seq_lens"])  # a budget's last chunk may be cut short
+            counts += torch.bincount(t["input_ids"][:n][t["loss_mask"][:n].bool()].long(), minlength=vocab_size)
         return counts
+
+
+def _prefix(chunks: list[dict], budget: int) -> list[dict]:
+    """The chunks (the last one cut) holding the conversations a run with this token budget trains on:
+    as training_conversations, take the next conversation while fewer than `budget` tokens are in."""
+    out, total = [], 0
+    for chunk in chunks:
+        keep = 0
+        while keep < len(chunk["seq_lens"]) and total < budget:
+            total += chunk["seq_lens"][keep]
+            keep += 1
+        if keep:
+            out.append({**chunk, "ids": chunk["ids"][:keep], "seq_lens": chunk["seq_lens"][:keep]})
+        if total >= budget:
+            break
+    return out

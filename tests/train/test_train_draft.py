@@ -106,19 +106,33 @@ def test_feature_cache_resumes_after_the_last_complete_chunk(setup, tmp_path):
         extract_features(runner, iter(convs), str(cut), {"test": 2}, (), progress=False)
 
 
-def test_a_cache_with_aux_layers_serves_a_run_without(setup, tmp_path):
-    """MTP / EAGLE-1 reuse an EAGLE-3 run's features (--feature-dir): the aux columns go unread."""
-    path, _, records, checkpoint, _ = setup
+def test_a_cache_serves_runs_that_need_less_of_it(setup, tmp_path):
+    """MTP / EAGLE-1 (no aux) and smaller --max-train-tokens budgets reuse a run's features
+    (--feature-dir): a budget reads exactly the conversations a fresh run with it would train on."""
+    path, _, records, checkpoint, cfg = setup
     runner, _ = target_runner(path, "float32", 256, 128, checkpoint)
-    convs = list(training_conversations(records[:4], checkpoint.tokenizer, 256, None))
-    spec = {"test": 1, "aux_layer_ids": AUX}
-    built = extract_features(runner, iter(convs), str(tmp_path), spec, tuple(AUX), progress=False)
-    reused = open_cache(str(tmp_path), {"test": 1, "aux_layer_ids": []})
-    assert reused is not None and reused.chunks == built.chunks
-    with pytest.raises(ValueError, match="different spec"):  # other aux layers: not the same features
-        open_cache(str(tmp_path), {"test": 1, "aux_layer_ids": [1, 2, 3]})
-    with pytest.raises(ValueError, match="different spec"):
-        open_cache(str(tmp_path), {"test": 2, "aux_layer_ids": []})
+    convs = list(training_conversations(records, checkpoint.tokenizer, 256, 3000))
+    spec = {"test": 1, "aux_layer_ids": AUX, "max_train_tokens": 3000}
+    built = extract_features(runner, iter(convs), str(tmp_path), spec, tuple(AUX), batch_tokens=128,
+                             chunk_tokens=300, progress=False)
+    assert len(built.chunks) > 3
+    no_aux = open_cache(str(tmp_path), {**spec, "aux_layer_ids": []})
+    assert no_aux is not None and no_aux.chunks == built.chunks
+    for budget in (1, 700, 1234):
+        small = open_cache(str(tmp_path), {**spec, "max_train_tokens": budget})
+        fresh = list(training_conversations(records, checkpoint.tokenizer, 256, budget))
+        assert small.conversation_ids == [c.id for c in fresh]
+        assert small.num_tokens == sum(len(c.input_ids) for c in fresh)
+        want = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+        for c in fresh:
+            want += torch.bincount(torch.tensor([t for t, m in zip(c.input_ids, c.loss_mask) if m]),
+                                   minlength=cfg.vocab_size)
+        assert torch.equal(small.token_counts(cfg.vocab_size), want)
+    for wanted in ({**spec, "aux_layer_ids": [1, 2, 3]},  # other aux layers: other features
+                   {**spec, "max_train_tokens": 3001}, {**spec, "max_train_tokens": None},  # more than it holds
+                   {**spec, "test": 2}):
+        with pytest.raises(ValueError, match="different spec"):
+            open_cache(str(tmp_path), wanted)
 
 
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "mtp"])

@@ -23,11 +23,10 @@ $(STAMP): requirements.txt pyproject.toml specpd/disagg/transfer/install_ibverbs
 	touch $@
 
 # a 1P1D cluster (router, prefill, decode as child processes on $(PORT), $(PORT)+1, $(PORT)+2) with the
-# shipped EAGLE-3 draft in draft-on-both mode; SERVE_ARGS adds flags (e.g. --draft-mode decode-only).
-# --engine-priority low: on a CPU box the KV transfer threads preempt the engine (README, PD serving)
+# shipped EAGLE-3 draft in draft-on-both mode; SERVE_ARGS adds flags (e.g. --draft-mode decode-only)
 SPEC_ARGS ?= --speculative-algorithm eagle3 --draft-model default --draft-mode both
 serve: install
-	$(BIN)/specpd serve --disagg 1p1d --model $(MODEL) --host 127.0.0.1 --port $(PORT) --engine-priority low $(SPEC_ARGS) $(SERVE_ARGS)
+	$(BIN)/specpd serve --disagg 1p1d --model $(MODEL) --host 127.0.0.1 --port $(PORT) $(SPEC_ARGS) $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q tests

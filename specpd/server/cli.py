@@ -227,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--engine-priority", choices=("normal", "low"), default="normal",
                    help="low: the engine thread runs under SCHED_IDLE, so this process's HTTP and KV "
-                        "transfer threads preempt it the moment they wake (CPU servers sharing a core "
-                        "with their transfers) (default: normal)")
+                        "transfer threads preempt it the moment they wake (a CPU server whose core also "
+                        "moves its KV). Only on a box dedicated to serving: any other busy process "
+                        "starves a low-priority engine (default: normal)")
     pd = p.add_argument_group("disaggregation (--role prefill / decode / router)")
     pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default="tcp",
                     help="KV page transfer engine, the same on P and D (default: tcp)")

@@ -144,6 +144,8 @@ def unified_run(model_dir, eagle_dir, mode, tree) -> tuple[list[tuple[int, int]]
 def test_router_prefill_decode_matches_unified(model_dir, eagle_dir, expected, backend, mode, tree):
     p_boot, p8_boot = free_port(), free_port()
     spec_args = spec_flags(eagle_dir, mode, tree)
+    if backend == "mooncake":  # as `make serve` runs: the engine threads under SCHED_IDLE
+        spec_args += ["--engine-priority", "low"]
     specs = [["--role", "prefill", "--transfer-backend", backend, "--bootstrap-port", str(p_boot),
               *engine_args(model_dir), *spec_args],
              ["--role", "decode", "--transfer-backend", backend, *engine_args(model_dir), *spec_args]]

@@ -105,6 +105,9 @@ def _build(cls: type, path: tuple[str, ...], given: dict[tuple[str, ...], Any]):
     return cls(**kwargs)
 
 
+PD_SWITCH_INTERVAL_S = 0.0005  # a transfer thread waits at most this long for the GIL (default 5 ms)
+
+
 # -- serve -----------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
     if args.disagg:  # a whole PD cluster as child processes (no torch in this one)
@@ -127,6 +130,11 @@ def serve(args: argparse.Namespace) -> int:
     from specpd.server.api_server import create_app
 
     config = config_from_args(args)
+    if args.role in ("prefill", "decode"):
+        # KV moves in transfer threads (P: the backend's writers; D with --transfer-backend tcp: its
+        # receiver) that must take the GIL back from the engine thread after every transfer call; at the
+        # default 5 ms switch interval that wait exceeds a 5 MB write over loopback (~3 ms)
+        sys.setswitchinterval(PD_SWITCH_INTERVAL_S)
     logger.info("loading %s", config.model)
     # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
     engine = LLMEngine(config, with_draft=not (args.role == "prefill" and config.spec.draft_mode == "decode-only"))

@@ -6,11 +6,11 @@ A request's life on P, keyed by its `bootstrap_room`:
      `_destinations`). D's PeerConfig is checked here; a mismatch answers `TransferFailed` naming both values.
   2. waiting queue: `engine.add_request(prefill_only=True)`; the engine batches prefills with the normal
      scheduler, samples y0 at position N-1 and keeps the pages (`engine.take_handoff`).
-  3. send: the prompt's pages are submitted to the transfer backend (one descriptor per page into D's
-     destination pages; draft-on-both: the draft pool's pages too), and the `HandoffRecord` (y0, logprob and
-     top logprobs, N, params, the seeded generator's state; draft-on-both: the draft's first-round top-k
-     ids/probs and hidden; draft-on-decode-only: the prompt's target features, captured by the engine, which
-     then loads no draft) goes to D right away.
+  3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
+     draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
+     target features, captured by the engine, which then loads no draft) goes to D, then the prompt's pages
+     are submitted to the transfer backend (one descriptor per page into D's destination pages; draft-on-both:
+     the draft pool's pages too). Record first: serializing it holds the GIL the writer thread needs.
   4. inflight queue: the transfer handle is polled every step; when done P sends `TransferDone`
      (or `TransferFailed`), then
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
@@ -229,12 +229,6 @@ class PrefillWorker(DisaggWorker):
         dest = room.destination
         src = req.pages[:len(dest.dst_page_ids)]
         lp = req.output_logprobs[0] if req.output_logprobs else None
-        try:
-            room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
-        except ValueError as e:
-            self.engine.release_handoff(room.request_id)
-            self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
-            return
         top = {}
         if lp is not None and lp.top:
             top = {"top_logprob_ids": torch.tensor([t for t, _ in lp.top], dtype=torch.int64),
@@ -244,7 +238,15 @@ class PrefillWorker(DisaggWorker):
                                handoff_logprob=lp.logprob if lp is not None else None,
                                sampling_params=room.params, sampler_state=req.sampler_state, **top,
                                **self._draft_fields(req)).validate()
+        # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
+        # is not holding the GIL for it while the writer thread needs it around its transfer call
         send_message(self.control, record, identity=room.identity)
+        try:
+            room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
+        except ValueError as e:  # D drops the record on the TransferFailed that follows
+            self.engine.release_handoff(room.request_id)
+            self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
+            return
         self.inflight[room.info.room] = room
 
     def _draft_fields(self, req) -> dict:

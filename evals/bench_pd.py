@@ -30,8 +30,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,14 +41,9 @@ from common import held_out_sharegpt_prompts, log, machine_info, real_text_promp
 
 import httpx  # noqa: E402
 
+from specpd.server.launch import free_port, serve_processes  # noqa: E402
+
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -66,40 +59,9 @@ def percentile(xs: list[float], q: float) -> float | None:
 @contextlib.contextmanager
 def launch(commands: list[tuple[list[str], str | None]], timeout_s: float = 600):
     """Start `specpd serve` processes ((args, cpu list for taskset) each); yield their URLs once healthy."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OPENBLAS_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
-    procs = []
-    try:
-        for args, cpus in commands:
-            port = free_port()
-            cmd = [sys.executable, "-m", "specpd", "serve", "--port", str(port), "--log-level", "warning", *args]
-            if cpus is not None and shutil.which("taskset"):
-                cmd = ["taskset", "-c", cpus, *cmd]
-            log_file = tempfile.NamedTemporaryFile("w+", prefix="bench-pd-", suffix=".log", delete=False)
-            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT),
-                          f"http://127.0.0.1:{port}", log_file))
-        deadline = time.monotonic() + timeout_s
-        for proc, url, log_file in procs:
-            while True:
-                if proc.poll() is not None:
-                    log_file.seek(0)
-                    raise RuntimeError(f"{proc.args} exited {proc.returncode}:\n{log_file.read()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} not healthy")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                time.sleep(0.3)
-        yield [url for _, url, _ in procs]
-    finally:
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, log_file in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log_file.close()
-            os.unlink(log_file.name)
+    with serve_processes([["--log-level", "warning", *args] for args, _ in commands], timeout_s,
+                         cpus=[cpus for _, cpus in commands], env={"MC_LOG_LEVEL": "ERROR"}) as procs:
+        yield [base for _, base, _ in procs]
 
 
 def unified_cluster(engine_args: list[str]):

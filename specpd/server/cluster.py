@@ -18,7 +18,8 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
+
+from specpd.server.launch import healthy
 
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
 # flags this launcher sets itself per child; everything else is passed to every P and D
@@ -61,14 +62,6 @@ def child_commands(args: argparse.Namespace, argv: list[str]) -> tuple[list[list
     router = base + ["--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,
                      "--bootstrap-port", str(args.bootstrap_port)]
     return prefill, decode, router
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _url(cmd: list[str]) -> str:
@@ -126,7 +119,7 @@ def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], others: list[s
         for proc in list(pending.values()) + list(others):
             if proc.poll() is not None:
                 raise RuntimeError(f"{' '.join(proc.args[3:7])} exited with {proc.returncode} during startup")
-        for url in [u for u in pending if _healthy(u)]:
+        for url in [u for u in pending if healthy(u)]:
             del pending[url]
         if time.monotonic() > deadline:
             raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:g} s: {sorted(pending)}")

@@ -11,8 +11,8 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams, TokenLogprob
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
+from specpd.server.launch import free_port
 from tests.model.hf_models import save_tiny_model
-from tests.server.launcher import free_port
 
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), [7], list(range(1, 33))]  # 32: a page-aligned prompt
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -21,8 +21,9 @@ from specpd.config import CacheConfig, EngineConfig
 from specpd.core import SamplingParams
 from specpd.disagg.transfer import backend_available
 from specpd.engine.llm_engine import LLMEngine
+from specpd.server.launch import free_port
 from tests.model.hf_models import save_tiny_model
-from tests.server.launcher import free_port, launch_server, launch_servers
+from tests.server.launcher import launch_server, launch_servers
 
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), list(range(1, 33))]
 MAX_TOKENS = 12

@@ -1,15 +1,19 @@
 """OpenAI-compatible HTTP server around one engine (role "unified": prefill and decode in one process).
 
 A generation request (POST /v1/completions, /v1/chat/completions):
+  0. admission.py's middleware: API key (401), body size (413) before a byte is parsed.
   1. The body is parsed into a protocol.py model; every client error is an InvalidRequest, which
-     the handler below turns into HTTP 400 {"error": {..., "param": <field>}}.
+     the handler below turns into HTTP 400 {"error": {..., "param": <field>}}. A full queue is 503 with
+     Retry-After (--max-queued-requests); prompt text that could never fit the context is 400 untokenized.
   2. The prompt becomes token ids (chat: the model's chat template first); SamplingParams are validated.
+     Parsing, templating, tokenizing and logprob detokenizing run in worker threads, never on the loop.
   3. AsyncEngine.submit hands it to the engine thread; the engine's own refusal (prompt + max_tokens
      over the context) comes back as InvalidRequest -> 400.
   4. stream=true: SSE chunks as outputs arrive, then `data: [DONE]`. stream=false: the final body,
      while a watcher listens for the client hanging up.
   5. A client that leaves early (either mode) gets its request aborted, so its KV pages are freed.
-Other routes: GET /v1/models, /health, /metrics (Prometheus), /server_info.
+Other routes: GET /v1/models, /health, /metrics (Prometheus), /server_info (also /get_server_info, with
+SGLang's `internal_states: [{"avg_spec_accept_length": tau}]` for its benchmark client).
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specpd.core import InvalidRequest, RequestOutput, SamplingParams
-from specpd.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, max_prompt_chars
+from specpd.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from specpd.server.metrics import ServerMetrics
 from specpd.server.protocol import ChatCompletionRequest, CompletionRequest, check_common, field_errors
 from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, error_body, sse
@@ -38,11 +43,14 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client hung up first"; nobody reads it
 
 
-def create_app(engine, role: str = "unified", engine_priority: str = "normal") -> FastAPI:
+def create_app(engine, role: str = "unified", engine_priority: str = "normal",
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queued_requests: int | None = None,
+               api_key: str | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
-    starts with the app's lifespan and stops with it."""
+    starts with the app's lifespan and stops with it. `api_key` guards /v1/* (PD workers sit behind the
+    router and take none); `max_queued_requests` None: no limit."""
     metrics = ServerMetrics(lambda: async_engine.stats(), engine.model_name)
-    async_engine = AsyncEngine(engine, metrics, priority=engine_priority)
+    async_engine = AsyncEngine(engine, metrics, priority=engine_priority, max_queued=max_queued_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,6 +63,7 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal") -
                 engine.close()
 
     app = FastAPI(title="specpd", lifespan=lifespan)
+    app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key)
     app.state.engine = async_engine
     server = _Handlers(engine, async_engine, metrics, role)
 
@@ -64,6 +73,7 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal") -
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
     app.get("/server_info")(server.server_info)
+    app.get("/get_server_info")(server.server_info)  # SGLang's older name; its clients ask either
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_: Request, exc: InvalidRequest):
@@ -73,6 +83,12 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal") -
     @app.exception_handler(RequestValidationError)
     async def schema_error(request: Request, exc: RequestValidationError):
         return await invalid_request(request, field_errors(list(exc.errors())))
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, exc: QueueFullError):
+        metrics.observe_rejected("queue")
+        return JSONResponse(error_body(str(exc), None, 503, "server_error"), status_code=503,
+                            headers={"Retry-After": str(exc.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError):
@@ -101,31 +117,49 @@ class _Handlers:
         self.metrics_registry = metrics
         self.role = role
         self.started = int(time.time())
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, engine.max_model_len)
 
     # -- generation ------------------------------------------------------------------------
     async def completions(self, raw: Request):
         req = await _parse(raw, CompletionRequest)
+        self.async_engine.check_queue()
         check_common(req, self.model_name)
         prompt = req.single_prompt()
         params = req.to_sampling_params()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            self._check_prompt_chars("prompt", len(prompt))
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            prompt_ids = list(prompt)
         formatter = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
                                         params.logprobs, req.include_usage)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
     async def chat_completions(self, raw: Request):
         req = await _parse(raw, ChatCompletionRequest)
+        self.async_engine.check_queue()
         check_common(req, self.model_name)
         messages = req.template_messages()
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # noqa: BLE001 - jinja TemplateError, or a model without a template
-            raise InvalidRequest("messages", f"the chat template could not render them: {exc}") from None
-        prompt_ids = self.tokenizer.encode(text)
+        self._check_prompt_chars("messages", sum(len(m["content"]) for m in messages))
+        prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, req.add_generation_prompt)
         params = req.to_sampling_params(default_max_tokens=self._room_left(len(prompt_ids)))
         formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
                                   params.logprobs, req.include_usage)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
+
+    def _chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja TemplateError, or a model without a template
+            raise InvalidRequest("messages", f"the chat template could not render them: {exc}") from None
+        return self.tokenizer.encode(text)
+
+    def _check_prompt_chars(self, field: str, num_chars: int) -> None:
+        """Refuse, untokenized, text that holds more tokens than the context whatever it says."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise InvalidRequest(field, f"{num_chars} characters of prompt text cannot fit the context of "
+                                        f"{self.engine.max_model_len} tokens (at most {self.max_prompt_chars} "
+                                        f"characters could)")
 
     def _room_left(self, num_prompt_tokens: int) -> int:
         """Chat's default max_tokens: whatever the context and the KV cache leave after the prompt."""
@@ -159,7 +193,9 @@ class _Handlers:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if outputs[-1].error:
             return JSONResponse(error_body(outputs[-1].error, None, 500, "server_error"), status_code=500)
-        return JSONResponse(formatter.response(outputs))
+        body = (formatter.response(outputs) if formatter.top_logprobs is None  # logprobs: decodes each token
+                else await asyncio.to_thread(formatter.response, outputs))
+        return JSONResponse(body)
 
     async def _bootstrap(self, raw: Request, request_id: str) -> None:
         """PD roles: read the router's bootstrap fields; D also finds P and checks its config (400 on mismatch)."""
@@ -175,7 +211,9 @@ class _Handlers:
         try:
             async for out in stream:
                 last = out
-                for chunk in formatter.chunks(out):
+                chunks = (formatter.chunks(out) if formatter.top_logprobs is None  # logprobs: decodes tokens
+                          else await asyncio.to_thread(formatter.chunks, out))
+                for chunk in chunks:
                     yield sse(chunk)
             if last is not None and last.error:
                 yield sse(error_body(last.error, None, 500, "server_error"))
@@ -228,10 +266,15 @@ class _Handlers:
 
     async def server_info(self):
         stats = self.async_engine.stats()
+        # SGLang's shape, read by its bench_serving: tau = tokens committed per verify forward, bonus
+        # included, engine-wide since start (None before the first verify or without speculation)
+        internal = {"avg_spec_accept_length": stats.get("spec_accept_length"),
+                    "spec_verify_count": stats.get("spec_verify_count", 0)}
         return {**stats, "role": self.role, "model": self.model_name, "max_model_len": self.engine.max_model_len,
                 "config": self.engine.config.to_dict(), "pid": os.getpid(),
                 "free_pages": stats.get("free_pages"), "total_pages": stats.get("total_pages"),
-                "engine_alive": self.async_engine.alive}
+                "engine_alive": self.async_engine.alive, "num_queued": self.async_engine.num_queued,
+                "internal_states": [internal]}
 
 
 def _token_id_text(token_id: int) -> str:
@@ -239,9 +282,9 @@ def _token_id_text(token_id: int) -> str:
 
 
 async def _parse(raw: Request, model: type[BaseModel]):
-    body = await raw.body()
+    body = await raw.body()  # at most --max-request-bytes (admission.py)
     try:
-        return model.model_validate_json(body)
+        return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as err:
         raise field_errors(err) from None
 

@@ -1,7 +1,8 @@
 """The bridge between the asyncio HTTP server and the (not thread-safe) LLMEngine.
 
 One dedicated thread owns the engine. A request passes through:
-  1. `submit` (event loop): registers a RequestStream, puts an "add" command in the inbox and
+  1. `submit` (event loop): refuses it with QueueFullError (HTTP 503) when `max_queued` requests already
+     wait for their first token; registers a RequestStream, puts an "add" command in the inbox and
      awaits admission; `add_request`'s InvalidRequest comes back here and becomes an HTTP 400.
   2. The engine thread drains the inbox (add / abort), then `step()`s while work exists and
      blocks on the inbox when idle.
@@ -29,6 +30,15 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread hit an exception in step(); the server can no longer generate."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests wait for their first token; the client should retry after `retry_after_s`."""
+
+    def __init__(self, num_queued: int, retry_after_s: int = 1):
+        super().__init__(f"server busy: {num_queued} requests already wait for their first token "
+                         f"(--max-queued-requests); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -81,16 +91,21 @@ def lower_thread_priority() -> bool:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics=None, priority: str = "normal"):
+    def __init__(self, engine, metrics=None, priority: str = "normal", max_queued: int | None = None):
         """priority "low": the engine thread runs under SCHED_IDLE (Linux), so the HTTP thread and the KV
         transfer threads of this process run the moment they wake instead of after the engine's time
         slice. On a CPU box where a server owns one core, a KV write otherwise waits for the scheduler at
-        every TCP round trip (raw Mooncake between two busy cores: 4.6 GB/s -> 0.43 GB/s)."""
+        every TCP round trip (raw Mooncake between two busy cores: 4.6 GB/s -> 0.43 GB/s).
+        max_queued: requests that may wait for their first token (queued for a batch slot, for KV, or in
+        prefill) before `submit` refuses more; None: no limit."""
+        if max_queued is not None and max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1 or None, got {max_queued}")
         if priority not in ENGINE_PRIORITIES:
             raise ValueError(f"engine priority must be one of {ENGINE_PRIORITIES}, got {priority!r}")
         self.engine = engine
         self.metrics = metrics  # ServerMetrics or None
         self.priority = priority
+        self.max_queued = max_queued
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop thread only
@@ -119,11 +134,22 @@ class AsyncEngine:
         return self._stats
 
     # -- requests (loop thread) ------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted (or being submitted) that have no output token yet."""
+        return sum(1 for s in self._streams.values() if s.first_token_time is None)
+
+    def check_queue(self) -> None:
+        """Raise QueueFullError if a new request would exceed `max_queued` (cheap: call before work)."""
+        if self.max_queued is not None and (queued := self.num_queued) >= self.max_queued:
+            raise QueueFullError(queued)
+
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine admitted it. Raises InvalidRequest if it didn't."""
         if not self.alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        self.check_queue()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         admitted = self._loop.create_future()

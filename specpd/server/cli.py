@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -120,7 +121,10 @@ def serve(args: argparse.Namespace) -> int:
         if not args.prefill or not args.decode:
             print("specpd serve --role router needs --prefill URL and --decode URL", file=sys.stderr)
             return 2
-        app = create_router_app(args.prefill, args.decode, args.bootstrap_port)
+        from specpd.server.admission import warn_if_open
+        warn_if_open(args.host, args.api_key, "the router")
+        app = create_router_app(args.prefill, args.decode, args.bootstrap_port,
+                                max_request_bytes=args.max_request_bytes, api_key=args.api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=5))
         asyncio.run(_serve(server, args.host, args.port, "router", role="router"))
@@ -147,7 +151,12 @@ def serve(args: argparse.Namespace) -> int:
         engine = DecodeWorker(engine, args.transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
                               prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
                               heartbeat_timeout_s=args.pd_heartbeat_timeout)
-    app = create_app(engine, role=args.role, engine_priority=args.engine_priority)
+    from specpd.server.admission import warn_if_open
+    api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
+    warn_if_open(args.host, api_key, f"the {args.role} server")
+    app = create_app(engine, role=args.role, engine_priority=args.engine_priority,
+                     max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
+                     api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     asyncio.run(_serve(server, args.host, args.port, engine.model_name, role=args.role))
@@ -238,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "transfer threads preempt it the moment they wake (a CPU server whose core also "
                         "moves its KV). Only on a box dedicated to serving: any other busy process "
                         "starves a low-priority engine (default: normal)")
+    adm = p.add_argument_group("admission (unified server and router)")
+    adm.add_argument("--api-key", default=os.environ.get("SPECPD_API_KEY") or None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); /health and /metrics "
+                          "stay open. Prefill and decode servers take none (default: $SPECPD_API_KEY, else none)")
+    adm.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
+                     help="larger request bodies get HTTP 413 before they are parsed (default: 8 MiB)")
+    adm.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                     help="with N requests waiting for their first token, more get HTTP 503 with Retry-After "
+                          "(default: no limit)")
     pd = p.add_argument_group("disaggregation (--role prefill / decode / router)")
     pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default="tcp",
                     help="KV page transfer engine, the same on P and D (default: tcp)")

@@ -1,0 +1,169 @@
+"""Admission at the door, shared by the API server and the router (no torch here).
+
+What a request meets before any handler runs (one ASGI middleware, `Admission`):
+  1. API key: with `api_key` set, every `/v1/*` route needs `Authorization: Bearer KEY`, else HTTP 401 with
+     an OpenAI-style error body (as vLLM and SGLang answer). /health, /metrics and /server_info stay open.
+  2. Body size: a `Content-Length` over `max_request_bytes` is answered 413 before a byte of the body is
+     read; a body without one (chunked) is counted as it streams in and cut off with 413 the moment it
+     passes the limit. Either way the handler never sees it, so nothing is parsed or tokenized.
+  3. The handler receives the whole (bounded) body, already buffered here.
+Later checks live with the handler: prompt text that could never fit the context (`max_prompt_chars`,
+400) and queue depth (503 + Retry-After, AsyncEngine).
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+
+from specpd.server.responses import error_body
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+API_KEY_ENV = "SPECPD_API_KEY"
+# After refusing a body, read (and drop) at most this much more of it so the client, still uploading,
+# gets to read the 413 instead of a connection reset; past this the connection is just closed.
+_DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+_OPEN_PATHS = ("/health", "/metrics", "/server_info", "/get_server_info")
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """Prompt text longer than this can never fit the context, whatever it says: no token spells more
+    characters than the longest vocabulary entry (byte-level BPE writes each byte as one character, so an
+    entry's length bounds its decoded length; SmolLM2's longest is 81, a run of '#'). A fixed guess such as
+    32 chars per token would refuse real prompts. Without a vocabulary: 256 per token. None: no tokenizer."""
+    if tokenizer is None:
+        return None
+    longest = 256
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True) if backend is not None else tokenizer.get_vocab()
+        longest = max(len(spelling) for spelling in vocab)
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary keeps the generous bound
+        pass
+    return max_model_len * max(longest, 1)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(host: str, api_key: str | None, what: str) -> None:
+    if api_key is None and not is_loopback(host):
+        logger.warning("%s binds %s with no API key: anyone who reaches this port can generate (a unified "
+                       "server or the router takes --api-key or %s; prefill and decode servers take none and "
+                       "belong on loopback)", what, host, API_KEY_ENV)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Admission:
+    """ASGI middleware: API key, then the body-size limit, then the app with the buffered body."""
+
+    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None):
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.api_key = api_key or None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            return await _reply(send, 401, error_body("invalid or missing API key: send 'Authorization: "
+                                                      "Bearer <key>'", None, 401, "authentication_error"),
+                                {"www-authenticate": "Bearer"})
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_request_bytes:
+            await self._refuse(send, declared)
+            return await _drain(receive, _DRAIN_LIMIT_BYTES)
+        try:
+            body, tail = await self._read_body(receive)
+        except _TooLarge:
+            await self._refuse(send, None)
+            return await _drain(receive, _DRAIN_LIMIT_BYTES)
+        if tail is not None:  # the client left mid-upload
+            return
+        return await self.app(scope, _replay(body, receive), send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                          self.api_key.encode())
+        return False
+
+    async def _read_body(self, receive) -> tuple[bytes, dict | None]:
+        """(the whole body, None), or (partial, the disconnect message). Raises _TooLarge past the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", message
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    async def _refuse(self, send, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more than that"
+        await _reply(send, 413, error_body(f"request body too large: {size}; this server accepts at most "
+                                           f"{self.max_request_bytes} bytes (--max-request-bytes)", "body", 413))
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _reply(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    payload = json.dumps(body).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                   (b"connection", b"close")]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def _drain(receive, limit: int) -> None:
+    read = 0
+    while read <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        read += len(message.get("body", b""))
+
+
+def _replay(body: bytes, receive):
+    """A receive() that hands the app the buffered body once, then the real connection (disconnects)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -48,7 +48,7 @@ def run_config(ckpt, spec: SpecConfig, prompts: list[list[int]], temperature: fl
                batch: int) -> dict:
     engine = LLMEngine(EngineConfig(model="default", spec=spec, cache=CacheConfig(page_size=16, num_pages=4096),
                                     scheduler=SchedulerConfig(max_running_requests=batch)), checkpoint=ckpt)
-    engine.spec_stats = SpecStats(spec.spec_num_steps)
+    engine.spec_stats = SpecStats(spec.num_steps)
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i if temperature else None)
               for i in range(len(prompts))]
     start = time.perf_counter()

@@ -91,45 +91,88 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512  # largest prefill chunk one request may take in a step
 
 
-SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "replay")
+SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "ngram", "replay")
+MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, nothing for P to run
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
+# (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
+# engine (README "Speculation that pays"); adaptive speculation then trims each round per request
+DEFAULT_SHAPES = {"ngram": (8, 1, 9), "eagle": (4, 1, 5), "eagle3": (4, 1, 5), "mtp": (4, 1, 5),
+                  "replay": (4, 1, 5)}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding. topk == 1 drafts a chain; topk > 1 an EAGLE-2 style tree."""
 
-    speculative_algorithm: str = "none"  # none | eagle | eagle3 | mtp | replay (tests/benchmarks)
+    speculative_algorithm: str = "none"  # none | eagle | eagle3 | mtp | ngram | replay (tests/benchmarks)
     draft_model: str | None = None
-    spec_num_steps: int = 4  # draft depth S
-    spec_topk: int = 1  # K
+    spec_num_steps: int | None = None  # draft depth S (default: DEFAULT_SHAPES)
+    spec_topk: int | None = None  # K
     spec_num_draft_tokens: int | None = None  # T, root included; default S + 1 for a chain, 8 for a tree
     # PD only: where the draft extend over the prompt runs. "both": P runs it and hands D the draft KV,
     # first-round top-k and draft hidden; "decode-only": P hands D the target hidden states and D runs it.
     draft_mode: str = "both"
+    # adaptive speculation (specpd/engine/spec_policy.py): each round, per request, the draft depth
+    # (0 = a plain decode step) that maximises expected committed tokens per second
+    spec_adaptive: bool = True
+    # n-gram drafting (specpd/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
+    # tree with spec_ngram (hybrid); contexts of min..max match tokens; a store of recent outputs
+    # shared across requests bounded to spec_ngram_store_tokens tokens (0: off)
+    spec_ngram: bool = False
+    spec_ngram_min_match: int = 2
+    spec_ngram_max_match: int = 8
+    spec_ngram_store_tokens: int = 65536
 
     @property
     def enabled(self) -> bool:
         return self.speculative_algorithm != "none"
 
     @property
+    def model_free(self) -> bool:
+        return self.speculative_algorithm in MODEL_FREE_ALGORITHMS
+
+    @property
+    def _shape(self) -> tuple[int, int, int]:
+        return DEFAULT_SHAPES.get(self.speculative_algorithm, (4, 1, 5))
+
+    @property
+    def num_steps(self) -> int:
+        return self.spec_num_steps if self.spec_num_steps is not None else self._shape[0]
+
+    @property
+    def topk(self) -> int:
+        if self.spec_topk is not None:
+            return self.spec_topk
+        return self._shape[1] if self.spec_num_steps is None else 1
+
+    @property
     def num_draft_tokens(self) -> int:
         if self.spec_num_draft_tokens is not None:
             return self.spec_num_draft_tokens
-        return self.spec_num_steps + 1 if self.spec_topk == 1 else 8
+        if self.spec_num_steps is None and self.spec_topk is None:
+            return self._shape[2]
+        return self.num_steps + 1 if self.topk == 1 else 8
 
     def validate(self) -> "SpecConfig":
         if self.speculative_algorithm not in SPEC_ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be one of {SPEC_ALGORITHMS}, got {self.speculative_algorithm!r}")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        if self.spec_num_steps < 1 or self.spec_topk < 1:
+        if self.num_steps < 1 or self.topk < 1:
             raise ValueError("spec_num_steps and spec_topk must be >= 1")
         if not 2 <= self.num_draft_tokens:
             raise ValueError(f"spec_num_draft_tokens must be >= 2, got {self.num_draft_tokens}")
-        if self.spec_topk == 1 and self.num_draft_tokens > self.spec_num_steps + 1:
-            raise ValueError(f"a chain of {self.spec_num_steps} steps has at most {self.spec_num_steps + 1} tokens, "
+        if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
+            raise ValueError(f"a chain of {self.num_steps} steps has at most {self.num_steps + 1} tokens, "
                              f"got spec_num_draft_tokens={self.num_draft_tokens}")
+        if self.spec_ngram and self.speculative_algorithm not in ("eagle", "eagle3", "mtp"):
+            raise ValueError(f"spec_ngram merges n-gram candidates into an EAGLE-family tree; "
+                             f"speculative_algorithm is {self.speculative_algorithm!r} (use 'ngram' alone)")
+        if not 1 <= self.spec_ngram_min_match <= self.spec_ngram_max_match:
+            raise ValueError(f"need 1 <= spec_ngram_min_match <= spec_ngram_max_match, got "
+                             f"{self.spec_ngram_min_match} and {self.spec_ngram_max_match}")
+        if self.spec_ngram_store_tokens < 0:
+            raise ValueError(f"spec_ngram_store_tokens must be >= 0, got {self.spec_ngram_store_tokens}")
         return self
 
 

@@ -23,7 +23,7 @@ from specpd.core import Request
 from specpd.draft.base import DraftModel
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.kv.pool import KVPool
-from specpd.verify.tree import DraftTree, TreeBuilder
+from specpd.verify.tree import DraftTree, TreeBuilder, root_only
 
 
 class EagleProposer(Proposer):
@@ -77,22 +77,29 @@ class EagleProposer(Proposer):
             if ex.at_end:
                 ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[last[i]])
 
-    def propose(self, requests: list[Request], starts: list[int]) -> list[DraftTree]:
+    def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
+        """plans: (num_steps, num_draft_tokens) per request (adaptive speculation; 0 steps = root only)."""
         if not requests:
             return []
         k = self.topk
-        builders, pred_hidden, slots = [], [], []
-        for req in requests:
-            state: DraftState = req.spec_state
-            b = TreeBuilder(req.all_token_ids[-1], k, self.num_steps, self.num_draft_tokens)
+        plans = plans or [(self.num_steps, self.num_draft_tokens)] * len(requests)
+        trees: list[DraftTree | None] = [root_only(r.all_token_ids[-1]) if steps == 0 else None
+                                         for r, (steps, _) in zip(requests, plans)]
+        active = [i for i, t in enumerate(trees) if t is None]
+        builders, pred_hidden, slots = {}, {}, {}
+        for i in active:
+            state: DraftState = requests[i].spec_state
+            b = TreeBuilder(requests[i].all_token_ids[-1], k, plans[i][0], plans[i][1])
             new = b.expand(torch.tensor([state.topk_ids]), torch.tensor([state.topk_probs]))
-            builders.append(b)
-            pred_hidden.append({int(n): state.hidden for n in new})  # node -> draft hidden that predicted it
-            slots.append({})  # node -> scratch slot offset from the root's position
-        for s in range(1, self.num_steps):
-            frontiers = [b.frontier().tolist() for b in builders]
+            builders[i] = b
+            pred_hidden[i] = {int(n): state.hidden for n in new}  # node -> draft hidden that predicted it
+            slots[i] = {}  # node -> scratch slot offset from the root's position
+        for s in range(1, max((plans[i][0] for i in active), default=0)):
+            level = [i for i in active if plans[i][0] > s]
+            frontiers = {i: builders[i].frontier().tolist() for i in level}
             ids, positions, q_lens, kv_lens, masks, hidden = [], [], [], [], [], []
-            for b, fr, start, ph, slot_of in zip(builders, frontiers, starts, pred_hidden, slots):
+            for i in level:
+                b, fr, start, ph, slot_of = builders[i], frontiers[i], starts[i], pred_hidden[i], slots[i]
                 ids.extend(int(b.tokens[n]) for n in fr)
                 positions.extend([start + s - 1] * len(fr))
                 hidden.extend(ph[n] for n in fr)
@@ -105,16 +112,19 @@ class EagleProposer(Proposer):
                     kv_lens.append(start + (s - 1) * k + len(fr))
                     masks.append(self._scratch_mask(b, fr, slot_of, (s - 1) * k + len(fr)))
             out = self._run(ids, torch.stack(hidden), positions, q_lens, kv_lens,
-                            [r.pages for r in requests], step=s, tree_masks=masks or None)
+                            [requests[i].pages for i in level], step=s, tree_masks=masks or None)
             top_ids, top_probs = self._topk(out, step=s)
             row = 0
-            for b, fr, ph in zip(builders, frontiers, pred_hidden):
-                new = b.expand(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)]).view(len(fr), k)
-                for i in range(len(fr)):
-                    for child in new[i].tolist():
-                        ph[child] = out[row + i]
+            for i in level:
+                fr, ph = frontiers[i], pred_hidden[i]
+                new = builders[i].expand(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)]).view(len(fr), k)
+                for j in range(len(fr)):
+                    for child in new[j].tolist():
+                        ph[child] = out[row + j]
                 row += len(fr)
-        return [b.finalize() for b in builders]
+        for i in active:
+            trees[i] = builders[i].finalize()
+        return trees
 
     @staticmethod
     def _scratch_mask(builder: TreeBuilder, frontier: list[int], slot_of: dict[int, int],

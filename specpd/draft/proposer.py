@@ -52,13 +52,20 @@ class Proposer(ABC):
     def needs_hidden(self) -> bool:
         return True
 
+    @property
+    def model_free(self) -> bool:
+        """No draft model: nothing to run on a PD prefill server, no draft KV, no draft state to hand off."""
+        return False
+
     @abstractmethod
     def extend(self, extends: list[DraftExtend]) -> None:
         ...
 
     @abstractmethod
-    def propose(self, requests: list[Request], starts: list[int]) -> list:
-        """One DraftTree per request; node 0 is the root (the last committed token, position start)."""
+    def propose(self, requests: list[Request], starts: list[int], plans=None) -> list:
+        """One DraftTree per request; node 0 is the root (the last committed token, position start).
+        plans: per request (num_steps, num_draft_tokens) for this round, 0 steps = a root-only tree;
+        None = the proposer's own shape for every request."""
 
     def release(self, request: Request) -> None:
         request.spec_state = None

@@ -11,7 +11,7 @@ import torch
 
 from specpd.core import Request
 from specpd.draft.proposer import DraftExtend, Proposer
-from specpd.verify.tree import DraftTree, TreeBuilder
+from specpd.verify.tree import DraftTree, TreeBuilder, root_only
 
 # sibling probabilities by rank: high enough that the right path always survives selection
 _RANK_PROBS = (0.5, 0.3, 0.12, 0.05, 0.02, 0.01)
@@ -34,6 +34,10 @@ class ReplayProposer(Proposer):
     def needs_hidden(self) -> bool:
         return False
 
+    @property
+    def model_free(self) -> bool:
+        return True
+
     def extend(self, extends: list[DraftExtend]) -> None:
         pass  # the reference is the whole state
 
@@ -50,14 +54,18 @@ class ReplayProposer(Proposer):
         probs = list(_RANK_PROBS[:k]) if right is not None else [1e-4] * k
         return ids, probs
 
-    def propose(self, requests: list[Request], starts: list[int]) -> list[DraftTree]:
+    def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         trees = []
-        for req in requests:
+        plans = plans or [(self.num_steps, self.num_draft_tokens)] * len(requests)
+        for req, (steps, budget) in zip(requests, plans):
+            if steps == 0:
+                trees.append(root_only(req.all_token_ids[-1]))
+                continue
             ref = self.references.get(req.request_id, [])
             done = len(req.output_token_ids)
-            builder = TreeBuilder(req.all_token_ids[-1], self.topk, self.num_steps, self.num_draft_tokens)
+            builder = TreeBuilder(req.all_token_ids[-1], self.topk, steps, budget)
             on_path = {0: True}  # pool id -> node lies on the (uncorrupted) reference path
-            for depth in range(1, self.num_steps + 1):
+            for depth in range(1, steps + 1):
                 frontier = builder.frontier().tolist()
                 right = ref[done + depth - 1] if done + depth - 1 < len(ref) else None
                 ids, probs = [], []

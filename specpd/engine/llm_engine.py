@@ -49,7 +49,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers)
         pool = self.runner.kv_pool
         self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
-        if spec.enabled and not with_draft and spec.speculative_algorithm != "replay":
+        if spec.enabled and not with_draft and not spec.model_free:
             from specpd.draft.loader import draft_feature_layers
             self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
                                                                self.model_config.num_layers)
@@ -64,7 +64,7 @@ class LLMEngine:
         self._handoffs: dict[str, Request] = {}  # PD prefill: prefilled requests holding their pages
         self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
-        self.spec_stats = SpecStats(config.spec.spec_num_steps)
+        self.spec_stats = SpecStats(config.spec.num_steps)
 
     # -- public API ------------------------------------------------------------------------
     @property

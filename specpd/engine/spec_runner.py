@@ -16,23 +16,33 @@ A step with speculation, per batch:
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specpd.attention.metadata import AttentionMetadata
 from specpd.core import ScheduledBatch, ScheduledItem
+from specpd.draft.eagle_proposer import EagleProposer
+from specpd.draft.hybrid import HybridProposer
+from specpd.draft.ngram import NgramProposer
 from specpd.draft.proposer import DraftExtend, Proposer
 from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
+from specpd.engine.spec_policy import AdaptivePolicy, CostModel
+from specpd.kv.allocator import pages_needed
 from specpd.verify.greedy import verify_greedy
 from specpd.verify.rejection import verify_tree
 
 
 class SpecRunner:
-    def __init__(self, runner: ModelRunner, proposer: Proposer):
+    def __init__(self, runner: ModelRunner, proposer: Proposer, policy: AdaptivePolicy | None = None):
         self.runner = runner
         self.proposer = proposer
+        self.policy = policy  # None: every request drafts the proposer's full shape every round
+        # request id -> draft extends not run yet (adaptive: the request did not speculate since)
+        self._deferred: dict[str, list[DraftExtend]] = {}
 
     @property
     def decode_width(self) -> int:
@@ -43,14 +53,23 @@ class SpecRunner:
     def release(self, request) -> None:
         self.runner.release(request)
         self.proposer.release(request)
+        self._deferred.pop(request.request_id, None)
+        if self.policy is not None:
+            self.policy.release(request.request_id)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> list[SampledTokens]:
-        runner = self.runner
+        runner, policy = self.runner, self.policy
         items = batch.items
         decode = [it for it in items if it.spec_decode]
+        requests = [it.request for it in decode]
+        plans = None
+        if policy is not None and decode:
+            others = [it for it in items if not it.spec_decode]
+            plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others))
+            self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0])
         trees = dict(zip((id(it) for it in decode),
-                         self.proposer.propose([it.request for it in decode], [it.start for it in decode])))
+                         self.proposer.propose(requests, [it.start for it in decode], plans)))
         # -- 1. one target forward over every item ------------------------------------------
         ids: list[int] = []
         positions: list[int] = []
@@ -68,8 +87,52 @@ class SpecRunner:
                 positions.extend(range(it.start, it.start + it.num_tokens))
                 q_lens.append(it.num_tokens)
                 masks.append(None)
-        meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=[it.start + q for it, q in zip(items, q_lens)],
-                                       page_lists=[it.request.pages for it in items],
+        # rows whose logits are needed: every tree node, the last row of a prefill item that samples
+        logit_rows, offset = [], 0
+        for it, q in zip(items, q_lens):
+            if it.spec_decode:
+                logit_rows.extend(range(offset, offset + q))
+            elif it.samples:
+                logit_rows.append(offset + q - 1)
+            offset += q
+        t0 = time.perf_counter()
+        hidden, features, logits = self._target_forward(ids, positions, q_lens,
+                                                        [it.start + q for it, q in zip(items, q_lens)],
+                                                        [it.request.pages for it in items], masks, logit_rows)
+        if policy is not None:
+            policy.cost.observe_target(len(items), len(ids), time.perf_counter() - t0)
+        # -- 2. sample / verify ------------------------------------------------------------
+        results: list[SampledTokens] = []
+        extends: list[DraftExtend] = []
+        offset = row = 0
+        for it, q in zip(items, q_lens):
+            rows = slice(offset, offset + q)
+            offset += q
+            if it.spec_decode:
+                tree = trees[id(it)]
+                res, ext = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
+                row += q
+                if policy is not None:
+                    policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
+                    policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
+                    if self.proposer.needs_hidden:  # run when the request speculates next
+                        self._deferred.setdefault(it.request.request_id, []).append(ext)
+                        ext = None
+            else:
+                res, ext = self._prefill(it, logits[row:row + 1] if it.samples else None, features[rows], suppress)
+                row += int(it.samples)
+            results.append(res)
+            if ext is not None:
+                extends.append(ext)
+        # -- 3. the proposer catches up ----------------------------------------------------
+        if extends:
+            self.proposer.extend(extends)
+        return results
+
+    def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):
+        """hidden [N, H], draft features [N, H_in], logits [len(logit_rows), vocab] fp32."""
+        runner = self.runner
+        meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=page_lists,
                                        page_size=runner.kv_pool.page_size, device=runner.device,
                                        tree_masks=masks)
         runner.backend.plan(meta)
@@ -78,24 +141,78 @@ class SpecRunner:
                                         torch.tensor(positions, device=runner.device),
                                         runner.backend, meta, capture_layers=aux)
         features = torch.cat(captured, dim=-1) if aux else hidden  # what the draft consumes
-        # -- 2. sample / verify ------------------------------------------------------------
-        results: list[SampledTokens] = []
-        extends: list[DraftExtend] = []
-        offset = 0
-        for it, q in zip(items, q_lens):
-            rows = slice(offset, offset + q)
-            offset += q
-            if it.spec_decode:
-                res, ext = self._verify(it, trees[id(it)], hidden[rows], features[rows], suppress)
-            else:
-                res, ext = self._prefill(it, hidden[rows], features[rows], suppress)
-            results.append(res)
-            if ext is not None:
-                extends.append(ext)
-        # -- 3. the proposer catches up ----------------------------------------------------
+        logits = runner.model.compute_logits(hidden[logit_rows]) if logit_rows else hidden.new_zeros(0, 0)
+        return hidden, features, logits
+
+    def _catch_up(self, requests) -> None:
+        """Run the deferred draft extends of requests about to draft: one slice per request."""
+        extends = []
+        for req in requests:
+            parts = self._deferred.pop(req.request_id, None)
+            if parts:
+                tokens = [t for p in parts for t in p.token_ids]
+                extends.append(DraftExtend(req, parts[0].start, tokens, torch.cat([p.hidden for p in parts]),
+                                           at_end=True))
         if extends:
             self.proposer.extend(extends)
-        return results
+
+    # -- adaptive speculation: the cost model --------------------------------------------------
+    @torch.inference_mode()
+    def calibrate(self, context: int = 128, reps: int = 2) -> CostModel:
+        """Time target forwards by rows (one request, `context` tokens cached) and by requests, and
+        draft forwards by rows, on scratch pages; the pages go back to the allocator."""
+        runner, pool = self.runner, self.runner.kv_pool
+        page_size, alloc = pool.page_size, pool.allocator
+        # use at most half the free pages: shrink the cached context, then the largest row count
+        avail = (alloc.num_free // 2) * page_size
+        batch = 8
+        context = max(1, min(context, avail // (2 * batch) - 1))
+        grid = [g for g in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if context + g <= avail]
+        per_req_pages = pages_needed(context + 1, page_size)
+        big_pages = pages_needed(context + grid[-1], page_size)
+        need = max(big_pages, batch * per_req_pages)
+        if len(grid) < 2 or need > alloc.num_free:
+            raise RuntimeError(f"adaptive speculation needs more free KV pages ({alloc.num_free} free) to "
+                               f"measure its cost model")
+        pages = alloc.alloc(need)
+        vocab = runner.model_config.vocab_size
+        try:
+            def timed(fn) -> float:
+                fn()  # warm-up
+                best = float("inf")
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - t0)
+                return best
+
+            def target(rows: int, requests: int) -> float:
+                q = [rows] * requests
+                kv = [context + rows] * requests
+                lists = [pages[:big_pages]] if requests == 1 else \
+                    [pages[i * per_req_pages:(i + 1) * per_req_pages] for i in range(requests)]
+                n = rows * requests
+                ids = [(7 * i) % vocab for i in range(n)]
+                pos = [context + (i % rows) for i in range(n)]
+                return timed(lambda: self._target_forward(ids, pos, q, kv, lists, [None] * requests,
+                                                          list(range(n))))
+
+            target_rows = {r: target(r, 1) for r in grid}
+            per_request = max(0.0, (target(1, batch) - target_rows[min(batch, grid[-1])]) / (batch - 1))
+            draft_rows = None
+            if isinstance(self.proposer, (EagleProposer, HybridProposer)):
+                model = self.proposer if isinstance(self.proposer, EagleProposer) else self.proposer.model
+                draft_rows = {}
+                hid = model.draft.config.hidden_size
+                for r in [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= grid[-1]]:
+                    ids = [(7 * i) % vocab for i in range(r)]
+                    pos = [context + i for i in range(r)]
+                    hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
+                    draft_rows[r] = timed(lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r],
+                                                                         [pages[:big_pages]], step=1), step=1))
+        finally:
+            alloc.free(pages)
+        return CostModel(target_rows, per_request, draft_rows)
 
     # -- per item ---------------------------------------------------------------------------
     def _row(self, it: ScheduledItem, extra_output: list[int], suppress) -> SamplingRow:
@@ -106,12 +223,12 @@ class SpecRunner:
         return SamplingRow(p, req.prompt_token_ids, req.output_token_ids + extra_output,
                            self.runner.generator_for(req), sup)
 
-    def _prefill(self, it: ScheduledItem, hidden, features, suppress):
+    def _prefill(self, it: ScheduledItem, logits, features, suppress):
+        """logits [1, vocab] at the item's last row when it samples, else None."""
         req = it.request
         token_ids, logprobs = [], []
         if it.samples:
             row = self._row(it, [], suppress)
-            logits = self.runner.model.compute_logits(hidden[-1:])
             raw = logits.clone() if row.params.logprobs is not None else None
             token = sample(process_logits(logits, [row]), [row], self.runner.shared_generator)[0]
             token_ids = [token]
@@ -123,10 +240,10 @@ class SpecRunner:
         ext = DraftExtend(req, it.start, shifted, features, at_end=it.samples)
         return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
-    def _verify(self, it: ScheduledItem, tree, hidden, features, suppress):
+    def _verify(self, it: ScheduledItem, tree, logits, features, suppress):
+        """logits [T, vocab] fp32 at the tree's nodes."""
         req = it.request
         runner = self.runner
-        logits = runner.model.compute_logits(hidden)  # [T, vocab]
         want_logprobs = req.params.logprobs is not None
         raw = logits.clone() if want_logprobs else None
         if req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id):
@@ -147,17 +264,21 @@ class SpecRunner:
         if want_logprobs:
             logprobs = compute_logprobs(raw[nodes], tokens, [self._row(it, [], suppress)] * len(nodes))
         ext = DraftExtend(req, it.start, tokens, features[nodes], at_end=True)
-        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=len(path)), ext
+        # a root-only tree (adaptive depth 0) was a plain decode step, not a verify: tau counts verifies only
+        accepted = len(path) if tree.num_nodes > 1 else None
+        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext
 
 
-def build_spec_runner(runner: ModelRunner, spec) -> SpecRunner:
+def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:
+    """frozen_policy (tests): the adaptive policy neither learns engine-wide nor refines its costs."""
     cfg = runner.model_config
-    steps, topk, num_tokens = spec.spec_num_steps, spec.spec_topk, spec.num_draft_tokens
+    steps, topk, num_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens
     if spec.speculative_algorithm == "replay":
         from specpd.draft.replay import ReplayProposer
         proposer = ReplayProposer(steps, topk, num_tokens, cfg.vocab_size)
+    elif spec.speculative_algorithm == "ngram":
+        proposer = _ngram(spec, steps, topk, num_tokens)
     else:
-        from specpd.draft.eagle_proposer import EagleProposer
         from specpd.draft.loader import load_draft_model
         if not spec.draft_model:
             raise ValueError(f"--speculative-algorithm {spec.speculative_algorithm} needs --draft-model")
@@ -167,7 +288,20 @@ def build_spec_runner(runner: ModelRunner, spec) -> SpecRunner:
         if pool.num_layers == cfg.num_layers + draft.config.num_layers:
             shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
-    return SpecRunner(runner, proposer)
+        if spec.spec_ngram:
+            proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
+    spec_runner = SpecRunner(runner, proposer)
+    if spec.spec_adaptive:
+        cost = spec_runner.calibrate()
+        cost.frozen = frozen_policy
+        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost,
+                                            frozen=frozen_policy)
+    return spec_runner
+
+
+def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:
+    return NgramProposer(steps, topk, num_tokens, spec.spec_ngram_min_match, spec.spec_ngram_max_match,
+                         spec.spec_ngram_store_tokens)
 
 
 def tree_path_tokens(tree, node: int) -> list[int]:

@@ -118,6 +118,12 @@ class DraftTree:
         return start + self.depth
 
 
+def root_only(root_token: int) -> DraftTree:
+    """A tree with no proposals: its verify is a plain decode step (adaptive speculation's depth 0)."""
+    zero = torch.zeros(1, dtype=torch.long)
+    return DraftTree(torch.tensor([int(root_token)]), zero - 1, zero, torch.zeros(1))
+
+
 def kv_moves(accepted_nodes: list[int]) -> list[tuple[int, int]]:
     """(src, dst) KV slot offsets from committed_len that put the accepted path in consecutive slots
     after the root. Applying them in order is safe: src >= dst, and every later src is larger."""

@@ -67,7 +67,7 @@ def test_draft_families_are_lossless(any_target, tmp_path, algorithm, topk, num_
 @pytest.mark.parametrize("corrupt,steps", [((), 4), ((3,), 4), ((1,), 3), ((5,), 6)])
 def test_replay_chain_acceptance_is_exact(target, corrupt, steps):
     path, expected = target
-    engine = engine_for(path, SpecConfig("replay", spec_num_steps=steps))
+    engine = engine_for(path, SpecConfig("replay", spec_num_steps=steps, spec_adaptive=False))
     engine.spec_runner.proposer.corrupt_depths = set(corrupt)
     outs = run_all(engine, PROMPTS, GREEDY, references=expected)
     assert [o.token_ids for o in outs] == expected
@@ -85,7 +85,7 @@ def test_replay_chain_acceptance_is_exact(target, corrupt, steps):
 @pytest.mark.parametrize("rank,num_tokens", [(0, 8), (1, 12), (2, 16)])
 def test_replay_tree_places_right_token_at_any_rank(target, rank, num_tokens):
     path, expected = target
-    engine = engine_for(path, SpecConfig("replay", spec_num_steps=3, spec_topk=3,
+    engine = engine_for(path, SpecConfig("replay", spec_num_steps=3, spec_topk=3, spec_adaptive=False,
                                          spec_num_draft_tokens=num_tokens))
     engine.spec_runner.proposer.right_rank = rank
     outs = run_all(engine, PROMPTS, GREEDY, references=expected)
@@ -99,7 +99,7 @@ def test_spec_with_page_pressure_and_preemption(target):
     """A pool too small for every request at once: preempted spec requests recompute and stay exact."""
     path, expected = target
     engine = LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=4, num_pages=30),
-                                    spec=SpecConfig("replay", spec_num_steps=4)))
+                                    spec=SpecConfig("replay", spec_num_steps=4, spec_adaptive=False)))
     ids = [f"p{i}" for i in range(len(PROMPTS))]
     for rid, prompt, ref in zip(ids, PROMPTS, expected):
         engine.spec_runner.proposer.references[rid] = ref
@@ -117,7 +117,7 @@ def test_stop_inside_accepted_run_truncates(target):
     path, expected = target
     ref = expected[1]
     stop_tok = ref[7]
-    engine = engine_for(path, SpecConfig("replay", spec_num_steps=5))
+    engine = engine_for(path, SpecConfig("replay", spec_num_steps=5, spec_adaptive=False))
     params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_tok,))
     out = run_all(engine, [PROMPTS[1]], params, references=[ref])[0]
     assert out.token_ids == ref[:ref.index(stop_tok) + 1]
@@ -127,7 +127,7 @@ def test_stop_inside_accepted_run_truncates(target):
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
 def test_max_tokens_never_exceeded(target, max_tokens):
     path, expected = target
-    engine = engine_for(path, SpecConfig("replay", spec_num_steps=4))
+    engine = engine_for(path, SpecConfig("replay", spec_num_steps=4, spec_adaptive=False))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = run_all(engine, PROMPTS, params, references=expected)
     assert [o.token_ids for o in outs] == [e[:max_tokens] for e in expected]

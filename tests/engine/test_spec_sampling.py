@@ -86,7 +86,8 @@ def test_spec_sampling_follows_target(small_vocab, name, spec, sampling):
     target, draft, model = small_vocab
     params = SamplingParams(max_tokens=3, ignore_eos=True, **sampling)
     spec = SpecConfig(spec.speculative_algorithm, draft_model=draft, spec_num_steps=spec.spec_num_steps,
-                      spec_topk=spec.spec_topk, spec_num_draft_tokens=spec.spec_num_draft_tokens)
+                      spec_topk=spec.spec_topk, spec_num_draft_tokens=spec.spec_num_draft_tokens,
+                      spec_adaptive=False)
     counts = sample_pairs(target, draft, spec, params, 20000)
     assert chi_square_p(counts, exact_pair_distribution(model, params)) > 0.01
 
@@ -97,6 +98,6 @@ def test_broken_verifier_fails_the_same_test(small_vocab, monkeypatch):
     monkeypatch.setattr(rejection, "_accept", lambda coin, r_tok, q_tok: torch.ones_like(coin, dtype=torch.bool))
     target, draft, model = small_vocab
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0)
-    spec = SpecConfig("eagle", draft_model=draft, spec_num_steps=2)
+    spec = SpecConfig("eagle", draft_model=draft, spec_num_steps=2, spec_adaptive=False)
     counts = sample_pairs(target, draft, spec, params, 4000)
     assert chi_square_p(counts, exact_pair_distribution(model, params)) < 1e-6

@@ -60,7 +60,7 @@ def collect_logprobs(engine, prompts, references=None):
 def test_logprobs_with_speculation_come_from_verify_logits(checkpoint, prompts, reference):
     cache = CacheConfig(page_size=16, num_pages=NUM_PAGES)
     plain = collect_logprobs(LLMEngine(EngineConfig(model="default", cache=cache), checkpoint=checkpoint), prompts)
-    spec_engine = LLMEngine(EngineConfig(model="default", cache=cache, spec=SpecConfig("replay", spec_num_steps=4)),
+    spec_engine = LLMEngine(EngineConfig(model="default", cache=cache, spec=SpecConfig("replay", spec_num_steps=4, spec_adaptive=False)),
                             checkpoint=checkpoint)
     spec = collect_logprobs(spec_engine, prompts, [r.token_ids for r in reference])
     assert spec_engine.spec_stats.accepted_tokens > 0

@@ -1,0 +1,79 @@
+"""Hybrid drafting (`--spec-ngram` with an EAGLE-family algorithm): one tree from two drafters.
+
+1. The model drafter (EagleProposer) and the n-gram drafter (NgramProposer) each propose a tree for
+   the round's plan.
+2. `merge_trees` puts both in one trie over token paths. A node's estimated acceptance is its path
+   probability under each source (the draft's cumulative probability; the n-gram's count estimate),
+   combined as 1 - prod(1 - p): a path both sources propose is likelier than either alone.
+3. The root plus the best num_draft_tokens - 1 nodes are kept: estimates never rise along a path, so
+   the kept set is ancestor-closed. One verify forward checks it; verify does not care where a node
+   came from, and the draft extend after it runs over the accepted tokens as usual.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpd.core import Request
+from specpd.draft.eagle_proposer import EagleProposer
+from specpd.draft.ngram import NgramProposer
+from specpd.draft.proposer import DraftExtend, Proposer
+from specpd.verify.tree import DraftTree
+
+
+def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
+    """Union of trees with one root (same root token), pruned to `budget` nodes by estimated acceptance."""
+    root = int(trees[0].tokens[0])
+    keys: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    tokens, parents, depth, miss = [root], [-1], [0], [1.0]  # miss: prod over sources of (1 - p)
+    for tree in trees:
+        if int(tree.tokens[0]) != root:
+            raise ValueError(f"merge_trees: roots differ ({int(tree.tokens[0])} vs {root})")
+        mapped = [0]
+        probs = tree.cum_logprob.exp().tolist()
+        for node, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+            if node == 0:
+                continue
+            key = (mapped[par], tok)
+            m = keys.get(key)
+            if m is None:
+                m = keys[key] = len(tokens)
+                tokens.append(tok)
+                parents.append(mapped[par])
+                depth.append(depth[mapped[par]] + 1)
+                miss.append(1.0)
+            miss[m] *= 1.0 - min(max(probs[node], 0.0), 1.0)
+            mapped.append(m)
+    score = torch.tensor([1.0 - x for x in miss])
+    score[0] = 2.0  # the root is always kept
+    # a child never outscores its parent; ties keep creation order, which lists parents first
+    keep = torch.sort(score, descending=True, stable=True).indices[:budget].sort().values
+    new_id = torch.full((len(tokens),), -1, dtype=torch.long)
+    new_id[keep] = torch.arange(keep.numel())
+    par = torch.tensor(parents)[keep]
+    return DraftTree(torch.tensor(tokens)[keep], torch.where(par < 0, -1, new_id[par.clamp(min=0)]),
+                     torch.tensor(depth)[keep], score[keep].clamp(max=1.0).clamp(min=1e-12).log())
+
+
+class HybridProposer(Proposer):
+    def __init__(self, model: EagleProposer, ngram: NgramProposer):
+        super().__init__(max(model.num_steps, ngram.num_steps), model.topk, model.num_draft_tokens)
+        self.model, self.ngram = model, ngram
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.model.aux_layer_ids
+
+    def extend(self, extends: list[DraftExtend]) -> None:
+        self.model.extend(extends)
+
+    def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
+        plans = plans or [(self.model.num_steps, self.num_draft_tokens)] * len(requests)
+        model_trees = self.model.propose(requests, starts, [(min(s, self.model.num_steps), b) for s, b in plans])
+        ngram_trees = self.ngram.propose(requests, starts, [(min(s, self.ngram.num_steps) and self.ngram.num_steps, b)
+                                                            for s, b in plans])
+        return [a if s == 0 else merge_trees([a, b], budget)
+                for a, b, (s, budget) in zip(model_trees, ngram_trees, plans)]
+
+    def release(self, request: Request) -> None:
+        self.ngram.release(request)
+        self.model.release(request)

@@ -1,0 +1,243 @@
+"""Adaptive speculation: each round, per request, the draft depth that pays (0 = a plain decode step).
+
+Speculation buys tokens with compute: a round at depth k costs k more verify rows, k - 1 draft steps
+and a draft extend over what it commits, and returns 1 + a_1 + a_1 a_2 + ... + a_1..a_k tokens in
+expectation, where a_d is the chance the proposal at depth d is accepted once depth d - 1 was. Whether
+that beats a plain decode step depends on this engine on this machine (a CPU verify over 8 rows costs
+more than a GPU one) and on the batch (large batches are compute-bound). The policy:
+  1. `CostModel`: seconds of one target forward by (requests, rows) and of one draft forward by rows,
+     measured at startup (SpecRunner.calibrate) and refined online from every step's timings.
+  2. Per request, conditional acceptance a_d with exponential forgetting, shrunk towards engine-wide
+     rates (the prior a new request starts from).
+  3. `plan` picks each request's depth by marginal value: with lam the batch's current tokens per
+     second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
+     times; the plan is kept only if it beats everyone at depth 0.
+  4. A request at depth 0 re-probes depth 1 after `probe_every` rounds (doubling while probes fail),
+     so a draft that became useful is noticed; its draft extend is deferred until it speculates again
+     (SpecRunner keeps the features), so a useless draft costs nothing per step.
+It changes speed, never output: the verify is lossless whatever the depth.
+`frozen=True` (tests): no online refinement and no engine-wide learning, so a request's plan depends
+only on its own history (PD and unified then take identical rounds).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+PRIOR_ACCEPT = 0.5  # engine-wide conditional acceptance before any round is seen
+PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
+DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
+GLOBAL_RATE = 0.02  # engine-wide EMA step per observation
+ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
+PROBE_MIN, PROBE_MAX = 8, 128
+
+
+class PiecewiseLinear:
+    """y(x) through measured points (x ascending), linear beyond the last two."""
+
+    def __init__(self, points: dict[int, float]):
+        if not points:
+            raise ValueError("a cost table needs at least one measured point")
+        self.xs = sorted(points)
+        self.ys = [float(points[x]) for x in self.xs]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0] * max(x, 1) / max(xs[0], 1)
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    def refine(self, x: float, y: float, rate: float) -> None:
+        """Move the nearest point towards the observation (multiplicatively)."""
+        i = min(range(len(self.xs)), key=lambda j: abs(math.log(max(self.xs[j], 1)) - math.log(max(x, 1))))
+        pred = self(x)
+        if pred > 0 and y > 0:
+            self.ys[i] *= math.exp(rate * math.log(y / pred))
+
+
+class CostModel:
+    """target(requests, rows) and draft(rows) in seconds; draft_step_overhead: Python per draft level."""
+
+    def __init__(self, target_rows: dict[int, float], per_request: float, draft_rows: dict[int, float] | None,
+                 frozen: bool = False):
+        self.target_rows = PiecewiseLinear(target_rows)  # one request with `rows` query rows
+        self.per_request = per_request  # extra seconds per further request in the batch
+        self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
+        self.frozen = frozen
+
+    def target(self, requests: int, rows: int) -> float:
+        return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
+
+    def draft(self, rows: int) -> float:
+        if rows <= 0 or self.draft_rows is None:
+            return 0.0
+        return self.draft_rows(rows)
+
+    def observe_target(self, requests: int, rows: int, seconds: float) -> None:
+        if not self.frozen:
+            self.target_rows.refine(rows, seconds - self.per_request * max(requests - 1, 0), ONLINE_RATE)
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        if not self.frozen and self.draft_rows is not None and rows > 0:
+            self.draft_rows.refine(rows, seconds, ONLINE_RATE)
+
+    def as_dict(self) -> dict:
+        return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
+                "per_request": self.per_request,
+                "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
+
+
+@dataclass
+class RequestStats:
+    accepted: list[float]  # [S] decayed rounds whose proposal at depth d + 1 was accepted
+    attempted: list[float]  # [S] decayed rounds that reached depth d + 1 with a proposal there
+    idle_rounds: int = 0  # consecutive rounds at depth 0
+    probe_every: int = PROBE_MIN
+    probing: bool = False
+
+
+@dataclass
+class PlanStats:
+    """What the policy chose (exported by /metrics and /server_info)."""
+
+    rounds: int = 0
+    rounds_off: int = 0  # rounds planned at depth 0
+    proposed_hist: dict[int, int] = field(default_factory=dict)  # draft tokens proposed per round -> rounds
+
+    def record(self, proposed: int, off: bool) -> None:
+        self.rounds += 1
+        self.rounds_off += int(off)
+        self.proposed_hist[proposed] = self.proposed_hist.get(proposed, 0) + 1
+
+
+class AdaptivePolicy:
+    def __init__(self, num_steps: int, topk: int, num_draft_tokens: int, cost: CostModel, frozen: bool = False):
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        self.cost = cost
+        self.frozen = frozen
+        self.global_accept = [PRIOR_ACCEPT] * num_steps
+        self.stats = PlanStats()
+        self._stats: dict[str, RequestStats] = {}
+
+    # -- shape of a round -------------------------------------------------------------------
+    def rows(self, k: int) -> int:
+        """Verify rows (root included) of a round at depth k."""
+        if k <= 0:
+            return 1
+        if self.topk == 1:
+            return k + 1
+        return min(self.num_draft_tokens, 1 + self.topk + (k - 1) * self.topk * self.topk)
+
+    def budget(self, k: int) -> int:
+        return self.rows(k)
+
+    def frontier(self, level: int) -> int:
+        """Draft rows one request runs at draft step `level` (>= 1)."""
+        return 1 if self.topk == 1 else self.topk
+
+    # -- estimates --------------------------------------------------------------------------
+    def _get(self, request_id: str) -> RequestStats:
+        st = self._stats.get(request_id)
+        if st is None:
+            st = self._stats[request_id] = RequestStats([0.0] * self.num_steps, [0.0] * self.num_steps)
+        return st
+
+    def accept_rates(self, request_id: str) -> list[float]:
+        st = self._get(request_id)
+        return [(acc + PRIOR_WEIGHT * g) / (att + PRIOR_WEIGHT)
+                for acc, att, g in zip(st.accepted, st.attempted, self.global_accept)]
+
+    @staticmethod
+    def expected_tokens(rates: list[float]) -> list[float]:
+        """[S + 1]: expected tokens committed by a round at depth k = 0..S (bonus included)."""
+        out, reach = [1.0], 1.0
+        for a in rates:
+            reach *= a
+            out.append(out[-1] + reach)
+        return out
+
+    # -- the plan ---------------------------------------------------------------------------
+    def plan(self, request_ids: list[str], other_requests: int = 0, other_rows: int = 0) -> list[tuple[int, int]]:
+        """(num_steps, num_draft_tokens) per request; (0, 1) = plain decode. other_*: prefill items
+        sharing the target forward."""
+        n = len(request_ids)
+        if n == 0:
+            return []
+        gains = [self.expected_tokens(self.accept_rates(r)) for r in request_ids]
+        depth = [0] * n
+        base_time = self._round_time(depth, gains, other_requests, other_rows)
+        lam = n / base_time
+        cost, steps = self.cost, self.num_steps
+        for _ in range(3):
+            rows = other_rows + sum(self.rows(k) for k in depth)
+            req = other_requests + n
+            row_cost = cost.target(req, rows + 1) - cost.target(req, rows)
+            level_rows = [sum(self.frontier(s) for k in depth if k > s) for s in range(steps)]
+            # marginal seconds of one request's frontier at draft level s, whether or not it is there now
+            add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
+            own = [cost.draft(level_rows[s]) - cost.draft(level_rows[s] - self.frontier(s)) for s in range(steps)]
+            ext_total = sum(g[k] for g, k in zip(gains, depth) if k > 0)
+            new = []
+            for i in range(n):
+                ext_rows = ext_total - (gains[i][depth[i]] if depth[i] > 0 else 0.0)
+                ext_base = cost.draft(ext_rows)
+                best_k, best_v, draft = 0, 0.0, 0.0
+                for k in range(1, steps + 1):
+                    if k > 1:
+                        draft += own[k - 1] if depth[i] > k - 1 else add[k - 1]
+                    extend = cost.draft(ext_rows + gains[i][k]) - ext_base
+                    value = (gains[i][k] - 1.0) - lam * ((self.rows(k) - 1) * row_cost + draft + extend)
+                    if value > best_v:
+                        best_k, best_v = k, value
+                new.append(best_k)
+            depth = new
+            lam = max(lam, sum(g[k] for g, k in zip(gains, depth))
+                      / self._round_time(depth, gains, other_requests, other_rows))
+        if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, gains, other_requests, other_rows) \
+                <= n / base_time:
+            depth = [0] * n
+        plans = []
+        for rid, k in zip(request_ids, depth):
+            st = self._get(rid)
+            st.probing = False
+            if k == 0:
+                st.idle_rounds += 1
+                if st.idle_rounds >= st.probe_every:
+                    k, st.probing, st.idle_rounds = 1, True, 0
+            else:
+                st.idle_rounds = 0
+            plans.append((k, self.budget(k) if k else 1))
+        return plans
+
+    def _round_time(self, depth: list[int], gains: list[list[float]], other_requests: int, other_rows: int) -> float:
+        rows = other_rows + sum(self.rows(k) for k in depth)
+        t = self.cost.target(other_requests + len(depth), rows)
+        for s in range(1, self.num_steps):
+            t += self.cost.draft(sum(self.frontier(s) for k in depth if k > s))
+        t += self.cost.draft(int(round(sum(g[k] for g, k in zip(gains, depth) if k > 0))))
+        return t
+
+    # -- feedback ---------------------------------------------------------------------------
+    def observe(self, request_id: str, proposed_depth: int, num_accepted: int) -> None:
+        """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept."""
+        st = self._get(request_id)
+        if st.probing:
+            st.probe_every = PROBE_MIN if num_accepted > 0 else min(2 * st.probe_every, PROBE_MAX)
+        if proposed_depth <= 0:
+            return
+        reached = min(num_accepted + 1, proposed_depth)
+        for d in range(self.num_steps):
+            st.accepted[d] *= DECAY
+            st.attempted[d] *= DECAY
+        for d in range(reached):
+            st.attempted[d] += 1.0
+            hit = d < num_accepted
+            st.accepted[d] += float(hit)
+            if not self.frozen:
+                self.global_accept[d] += GLOBAL_RATE * (float(hit) - self.global_accept[d])
+
+    def release(self, request_id: str) -> None:
+        self._stats.pop(request_id, None)

@@ -1,8 +1,10 @@
 """The decode server (D): reserve pages, receive P's prompt KV and handoff, then decode as usual.
 
 A request's life on D, keyed by its `bootstrap_room`:
-  0. bootstrap (HTTP handler, before submit): `GET /route` on P's bootstrap server (cached per P) gives P's
-     control endpoint and PeerConfig; `check_compatible` refuses a mismatched P with HTTP 400 naming both values.
+  0. bootstrap (HTTP handler, before submit): `GET /route` on P's bootstrap server gives P's control endpoint
+     and PeerConfig (transfer backend included); `check_compatible` refuses a mismatched P with HTTP 400 naming
+     both values. The route is cached per P while P answers; one silent for a heartbeat timeout (or found
+     gone) is asked again, so a restarted P's new control port is found.
   1. prealloc queue: pages for positions 0..N-1 are reserved from the engine's allocator (waits while the
      pool is short); then `DecodeRegister` and `KVDestination` (transfer session, pool layouts, page ids) go
      to P over a DEALER socket (one per P).
@@ -20,15 +22,18 @@ and keeps the pages until P's TransferDone / TransferFailed / AbortAck says noth
 `abort_timeout_s` passed with no answer (P is dead; a frozen P could still write: DESIGN.md §6).
 Timeouts (the client gets an error at once, then the pages follow the abort rule above): waiting for
 prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) and waiting for the transfer
-(`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D pings every P that owes it rooms each
-HEARTBEAT_INTERVAL_S; P answers. A P silent for `heartbeat_timeout_s` fails its rooms; if its bootstrap port
-refuses connections the process is gone and the rooms' pages are freed at once.
+(`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`) pings
+every P that owes it rooms each HEARTBEAT_INTERVAL_S and stamps every message from P on its own clock, so
+D's own long engine step never reads as P's silence. P's control thread answers with its load: a busy P
+answers, and only the prefill / transfer timeouts bound its rooms. A P silent for `heartbeat_timeout_s`
+fails its rooms; if its bootstrap port refuses connections, or now names another control endpoint (P was
+restarted), the process is gone and the rooms' pages are freed at once.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -37,26 +42,106 @@ import zmq
 from specpd.core import InvalidRequest, SamplingParams, TokenLogprob
 from specpd.disagg.bootstrap import Route, fetch_route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, MessageError, PeerConfig, TransferDone, TransferFailed,
-                                    check_compatible, recv_message, send_message)
-from specpd.disagg.worker import BootstrapInfo, DisaggWorker
+                                    KVDestination, PeerConfig, TransferDone, TransferFailed, check_compatible,
+                                    encode)
+from specpd.disagg.worker import CONTROL_TICK_S, BootstrapInfo, ControlThread, DisaggWorker
 from specpd.draft.proposer import DraftState
 from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms; P answers each
+HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms (at least 4 per heartbeat timeout); P answers each
 
 
-def _reachable(info: BootstrapInfo, timeout_s: float = 1.0) -> bool:
-    """Does P's bootstrap server still accept connections? Refused: the process is gone."""
+def _prefill_gone(info: BootstrapInfo, endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Is the P that owned `endpoint` gone? Its bootstrap port refuses (the process exited), or answers with
+    another control endpoint (a new P in its place). A timeout: alive but frozen, it could still write."""
     try:
-        with socket.create_connection((info.host, info.port), timeout=timeout_s):
-            return True
+        return fetch_route(info.host, info.port, timeout=timeout_s).zmq_endpoint != endpoint
     except ConnectionRefusedError:
-        return False
-    except OSError:  # a timeout: alive but frozen, or the network: assume it could still write
         return True
+    except OSError as e:
+        return isinstance(getattr(e, "reason", None), ConnectionRefusedError)
+
+
+class DecodeControl(ControlThread):
+    """D's control thread: one DEALER per P (created on the first message to it), the heartbeats, and the
+    time every message from a P arrived (`heard`), on a clock no engine step stalls."""
+
+    def __init__(self, worker: "DecodeWorker"):
+        super().__init__(worker.ctx, "specpd-decode-control")
+        self.name = worker.name
+        self.interval_s = min(HEARTBEAT_INTERVAL_S, worker.heartbeat_timeout_s / 4)
+        self.sockets: dict[bytes, zmq.Socket] = {}  # P's control endpoint -> DEALER (control thread only)
+        self.heard: dict[str, float] = {}  # P's endpoint -> monotonic arrival of its last message
+        self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
+        self.owing: frozenset[str] = frozenset()  # endpoints of Ps that owe us rooms (set by the engine thread)
+        self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
+        self._pinged: dict[str, float] = {}
+        self._sent: dict[int, float] = {}  # heartbeat seq -> monotonic send time
+        self._seq = 0
+
+    def _peer_sockets(self):
+        return [(sock, endpoint) for endpoint, sock in self.sockets.items()]
+
+    def _socket(self, endpoint: bytes) -> zmq.Socket:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.sockets[endpoint] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint.decode())
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _on_peer(self, sock, endpoint: bytes, msg, arrived_at: float) -> None:
+        name = endpoint.decode()
+        self.heard[name] = arrived_at
+        if isinstance(msg, Heartbeat):
+            sent = self._sent.pop(msg.seq, None)
+            if sent is not None:
+                self.rtt_s.append(arrived_at - sent)
+            self.load[name] = msg
+            return
+        self.inbox.put((name, msg, arrived_at))
+
+    def _deliver(self, endpoint: bytes, frames: list, end_room: int | None) -> None:
+        try:
+            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # P stopped reading (or never connected): the heartbeat rule decides
+            logger.warning("prefill server %s is not reading its control socket: message dropped", endpoint)
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
+            sock = self.sockets.pop(frames[1], None)
+            if sock is not None:
+                self.poller.unregister(sock)
+                sock.close(0)
+            self._pinged.pop(frames[1].decode(), None)
+
+    def _tick(self, now: float) -> None:
+        for endpoint in self.owing:
+            if now - self._pinged.get(endpoint, 0.0) < self.interval_s:
+                continue
+            self._seq += 1
+            self._pinged[endpoint] = now
+            self._sent[self._seq] = now
+            if len(self._sent) > 10000:  # pings a dead P never answered
+                self._sent = dict(list(self._sent.items())[-1000:])
+            self._deliver(endpoint.encode(), encode(Heartbeat(self.name, self._seq, time.time())), None)
+
+    def _wait_s(self) -> float:
+        return min(CONTROL_TICK_S, self.interval_s)
+
+    def _close_sockets(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(0)
+
+    def rtt_ms(self) -> dict:
+        rtts = sorted(self.rtt_s)
+        if not rtts:
+            return {}
+        pick = lambda q: round(1000 * rtts[min(len(rtts) - 1, int(q * len(rtts)))], 3)  # noqa: E731
+        return {"p50": pick(0.5), "p99": pick(0.99), "max": round(1000 * rtts[-1], 3), "count": len(rtts)}
 
 
 @dataclass
@@ -86,38 +171,45 @@ class DecodeWorker(DisaggWorker):
         self.prefill_timeout_s = prefill_timeout_s  # KVDestination sent -> HandoffRecord (P queued + prefilled)
         self.transfer_timeout_s = transfer_timeout_s  # HandoffRecord -> TransferDone (the KV writes)
         self.heartbeat_timeout_s = heartbeat_timeout_s  # P silent this long while it owes us rooms: dead
-        self._heard: dict[str, float] = {}  # P's control endpoint -> monotonic time of its last message
-        self._pinged: dict[str, float] = {}  # P's control endpoint -> last Heartbeat we sent
-        self._hb_seq = 0
+        self._silent_since: dict[str, float] = {}  # P's endpoint -> when the heartbeat rule last fired for it
         self.name = f"decode@{host}:{os.getpid()}"
-        self._routes: dict[tuple[str, int], Route] = {}  # P's bootstrap address -> route (loop thread)
-        self._sockets: dict[str, zmq.Socket] = {}  # P's control endpoint -> DEALER (engine thread)
+        # P's bootstrap address -> (route, monotonic fetch time); HTTP handler threads and the engine thread
+        self._routes: dict[tuple[str, int], tuple[Route, float]] = {}
         self._routes_by_request: dict[str, Route] = {}
         self.prealloc_queue: list[_Room] = []
         self.transfer_queue: dict[int, _Room] = {}
+        self.control = DecodeControl(self).start()
 
     # -- loop thread: bootstrap ------------------------------------------------------------
     def bootstrap(self, request_id: str, info: BootstrapInfo) -> None:
         """Find P and check it serves what we serve; raises InvalidRequest (-> 400) naming both values."""
         key = (info.host, info.port)
-        route = self._routes.get(key)
-        if route is None:
+        now = time.monotonic()
+        with self._lock:
+            route, fetched = self._routes.get(key, (None, 0.0))
+        # trust a cached route while its P answers (or was asked recently): a restarted P has a new endpoint
+        if route is None or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) \
+                > self.heartbeat_timeout_s:
             try:
                 route = fetch_route(info.host, info.port)
             except OSError as e:
                 raise InvalidRequest("bootstrap_host", f"prefill bootstrap server {info.host}:{info.port} "
                                      f"unreachable: {e}") from None
-            self._routes[key] = route
+            with self._lock:
+                self._routes[key] = (route, now)
         try:
             check_compatible(PeerConfig(**route.config), self.peer_config)
-        except ConfigMismatch as e:
+        except (ConfigMismatch, TypeError) as e:
             raise InvalidRequest("bootstrap_host", str(e)) from None
-        if route.transfer_backend != self.transfer_backend:
-            raise InvalidRequest("bootstrap_host", f"prefill and decode servers are incompatible: transfer_backend: "
-                                 f"prefill={route.transfer_backend!r} decode={self.transfer_backend!r}")
         with self._lock:
             self._routes_by_request[request_id] = route
         self.expect(request_id, info)
+
+    def _forget_route(self, endpoint: str) -> None:
+        """P behind `endpoint` is gone or silent: the next request asks its bootstrap server again."""
+        with self._lock:
+            for key in [k for k, (r, _) in self._routes.items() if r.zmq_endpoint == endpoint]:
+                del self._routes[key]
 
     # -- engine interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -138,7 +230,7 @@ class DecodeWorker(DisaggWorker):
         for room in self.transfer_queue.values():
             if room.request_id == request_id and room.aborted_at is None:
                 room.aborted_at = time.monotonic()
-                send_message(self._socket(room.route.zmq_endpoint), Abort(room.info.room, "client gone"))
+                self._send(room.route.zmq_endpoint, Abort(room.info.room, "client gone"))
                 return
         self.engine.abort_request(request_id)
 
@@ -148,42 +240,22 @@ class DecodeWorker(DisaggWorker):
     def queue_sizes(self) -> dict:
         return {"pd_prealloc": len(self.prealloc_queue), "pd_transfer": len(self.transfer_queue)}
 
+    def stats(self) -> dict:
+        return {**super().stats(), "pd_heartbeat_rtt_ms": self.control.rtt_ms(),
+                "pd_prefill_load": {e: hb.load for e, hb in list(self.control.load.items())}}
+
     # -- stages ----------------------------------------------------------------------------
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._sockets.get(endpoint)
-        if sock is None:
-            sock = self._sockets[endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            self.poller.register(sock, zmq.POLLIN)
-        return sock
+    def _send(self, endpoint: str, msg) -> None:
+        self.control.send(endpoint.encode(), msg)
 
-    def poll_control(self, timeout_ms: int) -> None:
-        if not self._sockets:
-            return
-        events = dict(self.poller.poll(timeout_ms))
-        for endpoint, sock in self._sockets.items():
-            while sock in events:
-                try:
-                    msg = recv_message(sock, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except MessageError as e:
-                    logger.warning("bad control message: %s", e)
-                    continue
-                self._heard[endpoint] = time.monotonic()
-                self._on_message(msg)
-
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, Heartbeat):
-            return
+    def on_message(self, endpoint: str, msg, arrived_at: float) -> None:
         room = self.transfer_queue.get(getattr(msg, "room", None))
         if room is None:
             logger.warning("%s for unknown room %s", type(msg).__name__, getattr(msg, "room", None))
             return
         if isinstance(msg, HandoffRecord):
             room.record = msg
-            room.record_at = time.monotonic()
+            room.record_at = arrived_at
         elif isinstance(msg, TransferDone):
             room.done = msg
         elif isinstance(msg, (TransferFailed, AbortAck)):  # P has no write in flight into the room's pages
@@ -204,11 +276,12 @@ class DecodeWorker(DisaggWorker):
         if error is not None:
             logger.warning("room %d: %s", room.info.room, error)
             self._final(room.request_id, len(room.prompt_token_ids), "abort", error=error)
-        send_message(self._socket(room.route.zmq_endpoint), Abort(room.info.room, reason))
+        self._send(room.route.zmq_endpoint, Abort(room.info.room, reason))
 
     def _watch_prefill_servers(self, now: float) -> None:
-        """Timeouts per room; heartbeats per P that owes us rooms; a silent P is probed and, if gone, its
-        rooms' pages are freed at once (a dead process writes nothing; a frozen one might: abort timeout)."""
+        """Timeouts per room; the set of Ps the control thread pings; a P silent on the control thread's clock
+        is probed and, if gone, its rooms' pages are freed at once (a dead process writes nothing; a frozen
+        one might: abort timeout). A P that answers heartbeats is never failed here, however busy."""
         owing: set[str] = set()  # P endpoints with rooms (aborted ones included: P still owes an AbortAck)
         for room in list(self.transfer_queue.values()):
             owing.add(room.route.zmq_endpoint)
@@ -219,18 +292,17 @@ class DecodeWorker(DisaggWorker):
                 elif room.record_at is not None and now - room.record_at > self.transfer_timeout_s:
                     self._give_up(room, f"KV transfer of room {room.info.room} did not finish within "
                                         f"{self.transfer_timeout_s:g} s", "transfer timeout")
+        self.control.owing = frozenset(owing)  # the control thread pings these
         for endpoint in owing:
-            if now - self._pinged.get(endpoint, 0.0) >= HEARTBEAT_INTERVAL_S:
-                self._hb_seq += 1
-                self._pinged[endpoint] = now
-                send_message(self._socket(endpoint), Heartbeat(self.name, self._hb_seq, time.time()))
             waiting = [r for r in self.transfer_queue.values() if r.route.zmq_endpoint == endpoint]
-            since = max([self._heard.get(endpoint, 0.0)] + [r.sent_at for r in waiting])
+            since = max([self.control.heard.get(endpoint, 0.0), self._silent_since.get(endpoint, 0.0)]
+                        + [r.sent_at for r in waiting])
             if now - since <= self.heartbeat_timeout_s:
                 continue
-            gone = not _reachable(waiting[0].info)
+            gone = _prefill_gone(waiting[0].info, endpoint)
             error = (f"prefill server {endpoint} is {'gone' if gone else 'not answering'}: no heartbeat "
                      f"for {now - since:.1f} s")
+            self._forget_route(endpoint)
             for room in waiting:
                 if gone:  # nothing can still write into these pages
                     del self.transfer_queue[room.info.room]
@@ -240,7 +312,9 @@ class DecodeWorker(DisaggWorker):
                                     error=error if room.aborted_at is None else None)
                 else:
                     self._give_up(room, error, "prefill server silent")
-            self._heard[endpoint] = now  # probe again after another heartbeat timeout
+            if gone:
+                self.control.command(b"forget-peer", endpoint.encode())
+            self._silent_since[endpoint] = now  # probe again after another heartbeat timeout
 
     def advance(self) -> None:
         allocator = self.engine.scheduler.allocator
@@ -252,10 +326,10 @@ class DecodeWorker(DisaggWorker):
                 break
             self.prealloc_queue.pop(0)
             room.pages = allocator.alloc(need)
-            sock = self._socket(room.route.zmq_endpoint)
-            send_message(sock, DecodeRegister(room.info.room, "", self.peer_config))
-            send_message(sock, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
-                                             list(room.pages)))
+            endpoint = room.route.zmq_endpoint
+            self._send(endpoint, DecodeRegister(room.info.room, "", self.peer_config))
+            self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
+                                               list(room.pages)))
             self.transfer_queue[room.info.room] = room
             room.sent_at = time.monotonic()
         self._watch_prefill_servers(time.monotonic())
@@ -287,6 +361,4 @@ class DecodeWorker(DisaggWorker):
                 self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"bad handoff: {e}")
 
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(0)
         super().close()

@@ -16,7 +16,10 @@ One request's handoff, keyed by `bootstrap_room` (the router draws it and sends 
 6. Abort: D -> P `Abort` (client gone, timeout). P stops issuing writes for the room and answers `AbortAck`
    once no write into D's pages is in flight; only then does D free the destination pages (or after a hard
    timeout if P is dead). P -> D `Abort` means P dropped the request and has no write in flight.
-7. `Heartbeat` both ways on a fixed interval; missing ones mark the peer dead and fail its rooms.
+7. `Heartbeat`: D -> P on a fixed interval while P owes D rooms; P's control thread answers at once with its
+   load (rooms queued, rooms in flight, how long its engine has been in the current step), so D tells a busy
+   P from a dead one: a P that answers is alive however slow, and only the prefill / transfer timeouts bound
+   its rooms. Silence (measured by D's control thread, never by D's engine step) marks P dead.
 
 Wire format (ZMQ multipart): frame 0 is a JSON header `{"v": 1, "type": <class name>, "body": {...}}`,
 frames 1.. are the raw bytes of the tensors the body refers to as `{"__tensor__": i, "dtype", "shape"}`.
@@ -49,6 +52,7 @@ class PeerConfig:
     dtype: str  # KV / model dtype, e.g. "float32", "bfloat16"
     spec_algorithm: str  # SpecConfig.speculative_algorithm
     draft_mode: str = "none"
+    transfer_backend: str = "tcp"  # specpd.disagg.transfer.TRANSFER_BACKENDS: both sides must move pages alike
 
 
 class ConfigMismatch(ValueError):
@@ -165,9 +169,21 @@ class AbortAck:
 
 @dataclass
 class Heartbeat:
+    """D -> P ping (load fields 0); P -> D reply carrying P's load, the same `seq`."""
+
     sender: str  # the sender's control endpoint
     seq: int
     timestamp: float = field(default=0.0)  # sender's time.time()
+    rooms_queued: int = 0  # P: rooms waiting for their D or for / inside a prefill
+    rooms_inflight: int = 0  # P: rooms whose KV is being written
+    step_s: float = 0.0  # P: how long its engine has been inside the current step (0 when between steps)
+
+    @property
+    def load(self) -> str:
+        if not (self.rooms_queued or self.rooms_inflight or self.step_s):
+            return "idle"
+        return (f"busy with {self.rooms_queued} rooms queued, {self.rooms_inflight} in flight, "
+                f"{self.step_s:.1f} s into an engine step")
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (

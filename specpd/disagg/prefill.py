@@ -17,7 +17,11 @@ A request's life on P, keyed by its `bootstrap_room`:
      "handoff", or an error -> the router drops D's request).
 A room is unique on P: a second request or a second D's DecodeRegister for a room in use is refused
 (HTTP 400 / TransferFailed to that D) and the first owner goes on. A room no D claims within
-`bootstrap_timeout_s` fails. Heartbeats from D are answered (D uses them to notice a dead P).
+`bootstrap_timeout_s` fails.
+Control thread (`PrefillControl`, worker.py): it owns the ROUTER socket and answers D's heartbeats at once
+with P's load ("busy with N rooms queued"), however long the engine's step; it refuses a DecodeRegister
+with a mismatched config or for a room another D owns (it tracks each room's owner until the engine thread
+sends the room's last message); everything else waits for the engine thread in its inbox.
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
 there; a room in flight finishes its transfer first (D owns the destination pages).
 """
@@ -34,10 +38,9 @@ import zmq
 from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, MessageError, TransferDone, TransferFailed, check_compatible,
-                                    recv_message, send_message)
+                                    KVDestination, TransferDone, TransferFailed, check_compatible, encode)
 from specpd.disagg.transfer import TransferStatus
-from specpd.disagg.worker import BootstrapInfo, DisaggWorker
+from specpd.disagg.worker import BootstrapInfo, ControlThread, DisaggWorker
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,69 @@ class _Room:
     added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
 
 
+class PrefillControl(ControlThread):
+    """P's control thread: the ROUTER socket D's DEALERs talk to (module docstring)."""
+
+    def __init__(self, worker: "PrefillWorker", host: str):
+        super().__init__(worker.ctx, "specpd-prefill-control")
+        self.worker = worker
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
+        self.poller.register(self.router, zmq.POLLIN)
+        self.owners: dict[int, bytes] = {}  # room -> the identity of the D that registered it first
+        self.heartbeats = 0
+
+    def _peer_sockets(self):
+        return [(self.router, None)]
+
+    def _on_peer(self, sock, identity: bytes, msg, arrived_at: float) -> None:
+        if isinstance(msg, Heartbeat):
+            w = self.worker
+            started = w.step_started
+            reply = Heartbeat(self.endpoint, msg.seq, time.time(), rooms_queued=w.rooms_queued(),
+                              rooms_inflight=len(w.inflight),
+                              step_s=0.0 if started is None else max(0.0, time.monotonic() - started))
+            self._reply(identity, reply)
+            self.heartbeats += 1
+            return
+        room = getattr(msg, "room", None)
+        owner = self.owners.get(room)
+        if owner is not None and owner != identity:  # another D holds this room: refuse, leave the owner be
+            if isinstance(msg, DecodeRegister):
+                self._reply(identity, TransferFailed(msg.room, f"room {msg.room} is already in use on the "
+                                                               f"prefill server by another decode server"))
+            return
+        if isinstance(msg, DecodeRegister):
+            try:
+                check_compatible(self.worker.peer_config, msg.config)
+            except ConfigMismatch as e:
+                self._reply(identity, TransferFailed(msg.room, str(e)))
+                return
+            self.owners[room] = identity
+        elif isinstance(msg, KVDestination) and owner is None:  # D registers first on the same socket: a stray
+            return
+        self.inbox.put((identity, msg, arrived_at))
+
+    def _reply(self, identity: bytes, msg) -> None:
+        self.router.send_multipart([identity, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+
+    def _deliver(self, identity: bytes, frames: list, end_room: int | None) -> None:
+        try:
+            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("decode server %r is not reading its control socket: message dropped", identity)
+        if end_room is not None and self.owners.get(end_room) == identity:
+            del self.owners[end_room]
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        if frames[0] == b"forget":  # the engine dropped a room without telling its D
+            self.owners.pop(int(frames[1]), None)
+
+    def _close_sockets(self) -> None:
+        self.router.close(0)
+
+
 class PrefillWorker(DisaggWorker):
     role = "prefill"
 
@@ -63,19 +129,17 @@ class PrefillWorker(DisaggWorker):
         self.bootstrap_timeout_s = bootstrap_timeout_s
         # completed handoffs: transfers, bytes, seconds inside the backend, descriptors (pages x pools), calls
         self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0}
-        self.control = self.ctx.socket(zmq.ROUTER)
-        self.control.setsockopt(zmq.LINGER, 0)
-        port = self.control.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
-        self.poller.register(self.control, zmq.POLLIN)
+        self.bootstrap_queue: dict[int, _Room] = {}
+        self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
+        self.inflight: dict[int, _Room] = {}
+        self.control = PrefillControl(self, host)
+        self.endpoint = self.control.endpoint
+        self.control.start()
         self.bootstrap = BootstrapServer(host, bootstrap_port, Route(self.endpoint, transfer_backend,
                                                                      dataclasses.asdict(self.peer_config))).start()
         # room -> (D's identity, its DecodeRegister, monotonic arrival): D may register before our HTTP request
         self._registered: dict[int, tuple[bytes, DecodeRegister, float]] = {}
         self._destinations: dict[int, KVDestination] = {}  # room -> KVDestination arrived before the request
-        self.bootstrap_queue: dict[int, _Room] = {}
-        self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
-        self.inflight: dict[int, _Room] = {}
 
     # -- engine interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -90,84 +154,55 @@ class PrefillWorker(DisaggWorker):
         return (room in self.bootstrap_queue or room in self.inflight
                 or any(r.info.room == room for r in self.prefilling.values()))
 
-    def _owner(self, room: int) -> bytes | None:
-        """The identity of the D that registered `room` first (a later duplicate is refused)."""
-        if room in self._registered:
-            return self._registered[room][0]
-        for r in list(self.prefilling.values()) + list(self.inflight.values()):
-            if r.info.room == room:
-                return r.identity
-        return None
+    def rooms_queued(self) -> int:
+        """Rooms waiting for their D or for their prefill, or inside one (read by the control thread)."""
+        return len(self.bootstrap_queue) + len(self.prefilling)
 
     def abort_request(self, request_id: str) -> None:
         for room, r in list(self.bootstrap_queue.items()):
             if r.request_id == request_id:
                 del self.bootstrap_queue[room]
-                self._drop_room_state(room)
+                self._drop_room_state(room, forget=True)
                 self._final(request_id, len(r.prompt_token_ids), "abort")
                 return
         if request_id in self.prefilling:
             self.engine.abort_request(request_id)
 
-    def disagg_busy(self) -> bool:  # a registered room keeps the loop polling (and answering heartbeats)
+    def disagg_busy(self) -> bool:  # a registered room keeps the loop taking control messages
         return bool(self.bootstrap_queue or self.inflight or self._registered)
 
     def stats(self) -> dict:
-        return {**super().stats(), **self.kv_stats, "bootstrap_port": self.bootstrap.port}
+        return {**super().stats(), **self.kv_stats, "bootstrap_port": self.bootstrap.port,
+                "pd_heartbeats_answered": self.control.heartbeats}
 
     def queue_sizes(self) -> dict:
         return {"pd_bootstrap": len(self.bootstrap_queue), "pd_prefilling": len(self.prefilling),
                 "pd_inflight": len(self.inflight)}
 
     # -- stages ----------------------------------------------------------------------------
-    def poll_control(self, timeout_ms: int) -> None:
-        events = dict(self.poller.poll(timeout_ms))
-        while self.control in events:
-            try:
-                identity, msg = recv_message(self.control, with_identity=True, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            except MessageError as e:
-                logger.warning("bad control message: %s", e)
-                continue
-            self._on_message(identity, msg)
-
-    def _on_message(self, identity: bytes, msg) -> None:
-        if isinstance(msg, Heartbeat):
-            send_message(self.control, Heartbeat(self.endpoint, msg.seq, time.time()), identity=identity)
-            return
-        owner = self._owner(msg.room) if hasattr(msg, "room") else None
-        if owner is not None and owner != identity:  # another D holds this room: refuse, leave the owner be
-            if isinstance(msg, DecodeRegister):
-                send_message(self.control, TransferFailed(msg.room, f"room {msg.room} is already in use on the "
-                                                                    f"prefill server by another decode server"),
-                             identity=identity)
-            return
-        if isinstance(msg, DecodeRegister):
-            try:
-                check_compatible(self.peer_config, msg.config)
-            except ConfigMismatch as e:
-                send_message(self.control, TransferFailed(msg.room, str(e)), identity=identity)
-                return
-            self._registered[msg.room] = (identity, msg, time.monotonic())
+    def on_message(self, identity: bytes, msg, arrived_at: float) -> None:
+        if isinstance(msg, DecodeRegister):  # the control thread checked the config and the owner
+            self._registered[msg.room] = (identity, msg, arrived_at)
         elif isinstance(msg, KVDestination):
-            if owner is not None:  # D registers first on the same socket; anything else is a stray
-                self._destinations[msg.room] = msg
+            self._destinations[msg.room] = msg
         elif isinstance(msg, Abort):
             # a room in the engine or in flight finishes its transfer: TransferDone tells D it may free
             if any(r.info.room == msg.room for r in self.prefilling.values()) or msg.room in self.inflight:
                 return
             room = self.bootstrap_queue.pop(msg.room, None)
             self._drop_room_state(msg.room)
-            send_message(self.control, AbortAck(msg.room), identity=identity)
+            self.control.send(identity, AbortAck(msg.room), end_room=msg.room)
             if room is not None:
                 self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"decode aborted: {msg.reason}")
         else:
             logger.warning("unexpected %s on the prefill control socket", type(msg).__name__)
 
-    def _drop_room_state(self, room: int) -> None:
-        self._registered.pop(room, None)
+    def _drop_room_state(self, room: int, forget: bool = False) -> None:
+        """Forget what D sent for `room`; `forget`: its D will not hear from us, so free its owner slot too."""
+        registered = self._registered.pop(room, None)
         self._destinations.pop(room, None)
+        if forget and registered is not None:
+            self.control.command(b"forget", str(room).encode())
 
     def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         passed = []
@@ -186,14 +221,14 @@ class PrefillWorker(DisaggWorker):
         for room_id, room in list(self.bootstrap_queue.items()):
             if now - room.added_at > self.bootstrap_timeout_s:  # D never registered the room
                 del self.bootstrap_queue[room_id]
-                self._drop_room_state(room_id)
+                self._drop_room_state(room_id, forget=True)
                 self._final(room.request_id, len(room.prompt_token_ids), "abort",
                             error=f"no decode server claimed room {room_id} within {self.bootstrap_timeout_s:g} s")
         for room_id, (identity, _, at) in list(self._registered.items()):
             if room_id not in self.bootstrap_queue and now - at > self.bootstrap_timeout_s:  # request never came
                 self._drop_room_state(room_id)
-                send_message(self.control, TransferFailed(room_id, "the prefill server never received the "
-                                                                   "request for this room"), identity=identity)
+                self.control.send(identity, TransferFailed(room_id, "the prefill server never received the "
+                                                                    "request for this room"), end_room=room_id)
         for room_id in [r for r in self.bootstrap_queue if r in self._registered and r in self._destinations]:
             room = self.bootstrap_queue.pop(room_id)
             room.identity = self._registered.pop(room_id)[0]
@@ -218,8 +253,8 @@ class PrefillWorker(DisaggWorker):
                 kv["kv_transfer_s"] += result.elapsed_s
                 kv["kv_descriptors"] += result.num_pages * len(room.destination.pools)
                 kv["kv_calls"] += result.num_calls
-                send_message(self.control, TransferDone(room_id, result.num_pages, result.num_bytes),
-                             identity=room.identity)
+                self.control.send(room.identity, TransferDone(room_id, result.num_pages, result.num_bytes),
+                                  end_room=room_id)
                 self._final(room.request_id, len(room.prompt_token_ids), "handoff")
             else:
                 self._fail(room, f"KV transfer failed: {result.error}", notify_decode=True)
@@ -240,7 +275,7 @@ class PrefillWorker(DisaggWorker):
                                **self._draft_fields(req)).validate()
         # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
         # is not holding the GIL for it while the writer thread needs it around its transfer call
-        send_message(self.control, record, identity=room.identity)
+        self.control.send(room.identity, record)
         try:
             room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
         except ValueError as e:  # D drops the record on the TransferFailed that follows
@@ -262,10 +297,9 @@ class PrefillWorker(DisaggWorker):
     def _fail(self, room: _Room, reason: str, notify_decode: bool) -> None:
         logger.warning("room %d: %s", room.info.room, reason)
         if notify_decode and room.identity is not None:
-            send_message(self.control, TransferFailed(room.info.room, reason), identity=room.identity)
+            self.control.send(room.identity, TransferFailed(room.info.room, reason), end_room=room.info.room)
         self._final(room.request_id, len(room.prompt_token_ids), "abort", error=reason)
 
     def close(self) -> None:
         self.bootstrap.close()
-        self.control.close(0)
         super().close()

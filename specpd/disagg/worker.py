@@ -1,23 +1,157 @@
-"""What the prefill and decode workers share: the engine interface AsyncEngine drives, the transfer backend,
-the PeerConfig, and the bootstrap fields the router put in the request body.
+"""What the prefill and decode workers share: the engine interface AsyncEngine drives, the control thread,
+the transfer backend, the PeerConfig, and the bootstrap fields the router put in the request body.
 
 A worker wraps an LLMEngine and is driven exactly like one (add_request / abort_request / step /
-has_unfinished_requests / stats) from AsyncEngine's engine thread, so every queue, socket poll and page
-operation happens on that one thread. The HTTP handler (loop thread) only calls `expect` before submit.
+has_unfinished_requests / stats) from AsyncEngine's engine thread. The HTTP handler (loop thread) only calls
+`expect` (and D's `bootstrap`) before submit.
+
+Threads (DESIGN.md §6: the control plane never waits on the engine):
+- the engine thread owns every queue of a room's life, the scheduler and its page allocator, and the
+  engine: it alone allocates or frees pages, submits KV writes, and decides a room's fate (fail, abort,
+  hand off). It talks to peers only through `ControlThread.send` and `ControlThread.take`.
+- the control thread (`ControlThread`, one per worker) owns the ZMQ control sockets. It receives every
+  peer message the moment it arrives and stamps it with its own clock, answers what needs no engine state
+  at once (P: heartbeats with P's load, a DecodeRegister with a mismatched config or for a room another D
+  owns; D: sends the heartbeats and records their replies), and queues the rest for the engine thread.
+  It never takes a lock the engine thread holds across a step and never touches pages, so a long prefill,
+  a draft extend over a 2k prompt or the step loop holding the GIL in Python only delays it by the GIL
+  switch interval (the servers set 0.5 ms; a torch op releases the GIL).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
+import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
 
 from specpd.core import InvalidRequest, RequestOutput
-from specpd.disagg.messages import PeerConfig
+from specpd.disagg.messages import MessageError, PeerConfig, decode, encode
 from specpd.disagg.transfer import create_backend
 
-IDLE_POLL_S = 0.002  # how long an idle step waits on the control sockets (the engine thread spins on us)
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.002  # how long an idle step waits for control messages (the engine thread spins on us)
+CONTROL_TICK_S = 0.05  # the control thread's longest sleep: how fast it notices close() and due heartbeats
+_ids = itertools.count()
+
+
+class ControlThread:
+    """A thread that owns the control sockets (module docstring). Subclasses say how a peer message is
+    received (`_peer_sockets`, `_on_peer`) and how an outgoing one is delivered (`_deliver`).
+
+    Engine thread -> control thread: `send(peer, msg)` encodes on the caller's thread and pushes the frames
+    over an inproc socket (zero copy); the control thread delivers them in order. Control thread -> engine
+    thread: `inbox`, (peer, message, monotonic arrival time) tuples, drained by `take`."""
+
+    def __init__(self, ctx: zmq.Context, name: str):
+        self.ctx = ctx
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        addr = f"inproc://specpd-control-{next(_ids)}"
+        self._pull = ctx.socket(zmq.PULL)
+        self._pull.bind(addr)
+        self._push = ctx.socket(zmq.PUSH)  # used by the engine thread only
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(addr)
+        self.poller = zmq.Poller()  # control thread only
+        self.poller.register(self._pull, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "ControlThread":
+        self._thread.start()
+        return self
+
+    # -- engine thread -----------------------------------------------------------------------
+    def send(self, peer: bytes, msg, end_room: int | None = None) -> None:
+        """Queue `msg` for `peer`. `end_room`: the message closes that room's conversation with its owner."""
+        tag = b"-" if end_room is None else str(end_room).encode()
+        self._push.send_multipart([tag, peer, *encode(msg)], copy=False)
+
+    def command(self, *frames: bytes) -> None:
+        """A control-thread command without a message (e.g. forget a room or a peer)."""
+        self._push.send_multipart([b"!", *frames])
+
+    def take(self, timeout_s: float = 0.0) -> list[tuple]:
+        """Every queued (peer, message, arrived_at); waits up to `timeout_s` for the first."""
+        items = []
+        try:
+            items.append(self.inbox.get(timeout=timeout_s) if timeout_s > 0 else self.inbox.get_nowait())
+            while True:
+                items.append(self.inbox.get_nowait())
+        except queue.Empty:
+            return items
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)
+        self._push.close(0)
+
+    # -- control thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                events = dict(self.poller.poll(int(self._wait_s() * 1000)))
+                now = time.monotonic()
+                for sock, peer in self._peer_sockets():
+                    while sock in events and not sock.closed:
+                        try:
+                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        sender = peer
+                        if sender is None:  # a ROUTER: the routing frame names the peer
+                            sender, frames = bytes(frames[0].buffer), frames[1:]
+                        try:
+                            msg = decode(frames)
+                        except MessageError as e:
+                            logger.warning("bad control message from %r: %s", sender, e)
+                            continue
+                        self._on_peer(sock, sender, msg, now)
+                while self._pull in events:
+                    try:
+                        frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    tag = bytes(frames[0].buffer)
+                    if tag == b"!":
+                        self._on_command([bytes(f.buffer) for f in frames[1:]])
+                    else:
+                        self._deliver(bytes(frames[1].buffer), frames[2:], None if tag == b"-" else int(tag))
+                self._tick(time.monotonic())
+        except Exception:  # noqa: BLE001 - a dead control thread must be loud; peers will see silence
+            logger.exception("control thread died")
+        finally:
+            self._pull.close(0)
+            self._close_sockets()
+
+    def _wait_s(self) -> float:
+        return CONTROL_TICK_S
+
+    def _peer_sockets(self) -> list[tuple[zmq.Socket, bytes | None]]:
+        """(socket, the peer it talks to, or None for a ROUTER) for every peer-facing socket."""
+        raise NotImplementedError
+
+    def _on_peer(self, sock: zmq.Socket, peer: bytes, msg, arrived_at: float) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, peer: bytes, frames: list, end_room: int | None) -> None:
+        raise NotImplementedError
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        pass
+
+    def _tick(self, now: float) -> None:
+        pass
+
+    def _close_sockets(self) -> None:
+        pass
+
 
 
 @dataclass(frozen=True)
@@ -42,7 +176,7 @@ def draft_mode(config) -> str:
 
     "none" without a draft model (no speculation, or the replay drafter, which keeps no per-prompt state)."""
     spec = config.spec
-    if not spec.enabled or spec.speculative_algorithm == "replay":
+    if not spec.enabled or spec.model_free:
         return "none"
     return "both" if spec.draft_mode == "both" else "decode_only"
 
@@ -58,10 +192,11 @@ def page_pools(engine) -> list:
     return pools
 
 
-def peer_config(engine) -> PeerConfig:
+def peer_config(engine, transfer_backend: str) -> PeerConfig:
     cfg = engine.config
     return PeerConfig(model=cfg.model, draft_model=cfg.spec.draft_model, page_size=cfg.cache.page_size,
-                      dtype=cfg.dtype, spec_algorithm=cfg.spec.speculative_algorithm, draft_mode=draft_mode(cfg))
+                      dtype=cfg.dtype, spec_algorithm=cfg.spec.speculative_algorithm, draft_mode=draft_mode(cfg),
+                      transfer_backend=transfer_backend)
 
 
 class DisaggWorker:
@@ -75,11 +210,12 @@ class DisaggWorker:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self.peer_config = peer_config(engine)
+        self.peer_config = peer_config(engine, transfer_backend)
         self.backend = create_backend(transfer_backend, host)
         self.backend.register(page_pools(engine))
         self.ctx = zmq.Context.instance()
-        self.poller = zmq.Poller()
+        self.control: ControlThread | None = None  # the subclass builds and starts it
+        self.step_started: float | None = None  # monotonic start of the engine step running now (for load)
         self._expected: dict[str, BootstrapInfo] = {}  # request id -> room; written by the loop thread
         self._lock = threading.Lock()
         self._outputs: list[RequestOutput] = []  # produced by the disagg stages, returned by the next step
@@ -120,14 +256,22 @@ class DisaggWorker:
 
     def step(self) -> list[RequestOutput]:
         engine_busy = self.engine.has_unfinished_requests()
-        self.poll_control(timeout_ms=0 if engine_busy else int(IDLE_POLL_S * 1000))
-        outputs = self.engine.step() if engine_busy else []
+        for peer, msg, arrived_at in self.control.take(0.0 if engine_busy else IDLE_POLL_S):
+            self.on_message(peer, msg, arrived_at)
+        outputs = []
+        if engine_busy:
+            self.step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.step_started = None
         outputs = self.on_engine_outputs(outputs)
         self.advance()
         outputs, self._outputs = self._outputs + outputs, []
         return outputs
 
-    def poll_control(self, timeout_ms: int) -> None:
+    def on_message(self, peer: bytes, msg, arrived_at: float) -> None:
+        """A peer message the control thread queued for the engine thread."""
         raise NotImplementedError
 
     def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -137,6 +281,8 @@ class DisaggWorker:
         pass
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self.backend.close()
 
     def _final(self, request_id: str, num_prompt_tokens: int, reason: str, error: str | None = None,

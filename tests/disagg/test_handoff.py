@@ -150,8 +150,8 @@ def record_trees(engine) -> dict:
     proposer = engine.spec_runner.proposer
     trees, propose = {}, proposer.propose
 
-    def recording(requests, starts):
-        out = propose(requests, starts)
+    def recording(requests, starts, *rest):  # rest: the adaptive policy's per-request plans, if any
+        out = propose(requests, starts, *rest)
         for req, tree in zip(requests, out):
             trees.setdefault(tuple(req.prompt_token_ids), []).append(
                 (tree.tokens.tolist(), tree.cum_logprob.float()))
@@ -171,7 +171,7 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
     cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
     random_draft_checkpoint(str(tmp_path), algorithm, cfg, seed=1)
     spec = SpecConfig(algorithm, draft_model=str(tmp_path), spec_num_steps=3, spec_topk=topk,
-                      spec_num_draft_tokens=num_tokens, draft_mode=mode)
+                      spec_num_draft_tokens=num_tokens, draft_mode=mode, spec_adaptive=False)
     unified = make_engine(spec_model_dir, spec=spec)
     want_trees = record_trees(unified)
     expected = unified.generate(PROMPTS, GREEDY)
@@ -213,7 +213,7 @@ def test_seeded_sampling_and_top_logprobs_match_unified(spec_model_dir, tmp_path
     if mode is not None:
         random_draft_checkpoint(str(tmp_path), "eagle", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
                                 seed=1)
-        spec = SpecConfig("eagle", draft_model=str(tmp_path), spec_num_steps=3, draft_mode=mode)
+        spec = SpecConfig("eagle", draft_model=str(tmp_path), spec_num_steps=3, draft_mode=mode, spec_adaptive=False)
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True, logprobs=3)
     FIRST_LOGPROB.clear()
     expected = run_unified(make_engine(spec_model_dir, spec=spec), PROMPTS, params)

@@ -51,6 +51,8 @@ ALL_MESSAGES = [
     Abort(room=1, reason="client disconnected"),
     AbortAck(room=1),
     Heartbeat(sender="tcp://127.0.0.1:7100", seq=12, timestamp=1700000000.5),
+    Heartbeat(sender="tcp://127.0.0.1:7101", seq=13, timestamp=1700000001.0, rooms_queued=9, rooms_inflight=2,
+              step_s=11.25),  # P's reply: busy, not dead
 ]
 
 
@@ -143,7 +145,8 @@ def test_malformed_frames_raise_message_error():
 
 
 @pytest.mark.parametrize("name,value", [("model", "llama-7b"), ("draft_model", None), ("page_size", 32),
-                                        ("dtype", "float32"), ("spec_algorithm", "eagle"), ("draft_mode", "both")])
+                                        ("dtype", "float32"), ("spec_algorithm", "eagle"), ("draft_mode", "both"),
+                                        ("transfer_backend", "mooncake")])
 def test_check_compatible_names_both_values(name, value):
     check_compatible(CFG, CFG)
     other = dataclasses.replace(CFG, **{name: value})
@@ -171,3 +174,9 @@ def test_handoff_validate():
         dataclasses.replace(_handoff_decode_only(3, torch.float32), prompt_len=4).validate()
     with pytest.raises(ValueError, match="draft_mode"):
         dataclasses.replace(_handoff_both(), draft_mode="p_only").validate()
+
+
+def test_heartbeat_reply_says_busy_or_idle():
+    assert Heartbeat("tcp://p", 1).load == "idle"
+    busy = decode(encode(Heartbeat("tcp://p", 2, rooms_queued=8, rooms_inflight=1, step_s=10.3)))
+    assert busy.load == "busy with 8 rooms queued, 1 in flight, 10.3 s into an engine step"

@@ -1,14 +1,24 @@
-"""`specpd serve --disagg NpMd`: a whole PD cluster on this machine from one command. No torch here.
+"""`specpd serve --disagg NpMd`: a whole PD cluster on this machine from one command, supervised. No torch here.
 
   specpd serve --disagg 1p1d --model default --speculative-algorithm eagle3 --draft-model default \
       --draft-mode both --port 8000
 
-1. Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
+1. Transfer backend: `--transfer-backend` if given, else decided once here (mooncake where its engine loads,
+   else tcp, with one line saying why) and passed explicitly to every P and D, so they never disagree.
+2. Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
    on --bootstrap-port and up), M decode servers (HTTP on --decode-port (default --port+1+N) and up), each a
    `python -m specpd serve` process with every engine flag of this command line.
-2. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them.
-3. When the router is healthy the URL is printed. Ctrl-C / SIGTERM stops all children; if any child exits,
-   the others are stopped and the command fails with that child's exit code.
+3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them.
+   When it answers, the URL is printed. A child that dies during this first start fails the command.
+4. Supervision: a child that exits, or whose health check fails for HEALTH_GRACE_S in a row (P, D: /health
+   200; the router: any answer, since its /health reports its backends), is stopped and started again with
+   the same command line (same ports) after a backoff (1, 2, 4 .. 30 s, reset once it stayed up STABLE_S),
+   each step logged. Meanwhile the router serves through the others and fails only the requests that need
+   the dead child (an HTTP error naming it). A restarted D comes back with an empty pool (P's rooms toward
+   the old D fail by the transfer rules); a restarted P has new control ports, which D re-resolves from
+   the bootstrap port once the old ones stop answering. A child that cannot come back MAX_FAILED_STARTS
+   times in a row stops the cluster.
+5. Ctrl-C / SIGTERM stops all children.
 """
 from __future__ import annotations
 
@@ -18,13 +28,23 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 from specpd.server.launch import healthy
 
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
+HEALTH_INTERVAL_S = 2.0
+HEALTH_GRACE_S = 30.0  # a busy server may answer /health late; this long failing in a row is a hung one
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_S = 60.0  # up this long: the next crash restarts after the shortest backoff again
+MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
 # flags this launcher sets itself per child; everything else is passed to every P and D
 _OWN_FLAGS = {"--disagg": 1, "--port": 1, "--role": 1, "--prefill-port": 1, "--decode-port": 1,
-              "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1}
+              "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1,
+              "--transfer-backend": 1}
+_PROBE = ("from specpd.disagg.transfer import backend_available as a; ok, why = a('mooncake'); "
+          "print('' if ok else why)")
 
 
 def parse_layout(spec: str) -> tuple[int, int]:
@@ -47,16 +67,35 @@ def passthrough(argv: list[str]) -> list[str]:
     return out
 
 
-def child_commands(args: argparse.Namespace, argv: list[str]) -> tuple[list[list[str]], list[list[str]], list[str]]:
+def choose_transfer_backend(requested: str | None) -> str:
+    """The user's choice, else mooncake if its engine loads here (probed in a child: no torch in this
+    process), else tcp with one line saying why."""
+    if requested:
+        return requested
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+        why = probe.stdout.strip() if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"probe failed: {e}"
+    if not why:
+        return "mooncake"
+    print(f"specpd serve --disagg: transfer backend tcp: mooncake cannot load here ({why})", file=sys.stderr,
+          flush=True)
+    return "tcp"
+
+
+def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: str = "tcp"
+                   ) -> tuple[list[list[str]], list[list[str]], list[str]]:
     """(prefill commands, decode commands, router command)."""
     n_p, n_d = parse_layout(args.disagg)
     rest = passthrough(argv)
     base = [sys.executable, "-m", "specpd", "serve", "--host", args.host, "--log-level", args.log_level]
+    pd = ["--transfer-backend", transfer_backend]
     p_port = args.prefill_port or args.port + 1
     d_port = args.decode_port or args.port + 1 + n_p
     prefill = [base + ["--role", "prefill", "--port", str(p_port + i), "--bootstrap-port",
-                       str(args.bootstrap_port + i)] + rest for i in range(n_p)]
-    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + rest for j in range(n_d)]
+                       str(args.bootstrap_port + i)] + pd + rest for i in range(n_p)]
+    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + rest for j in range(n_d)]
     p_urls = ",".join(f"http://{args.host}:{p_port + i}" for i in range(n_p))
     d_urls = ",".join(f"http://{args.host}:{d_port + j}" for j in range(n_d))
     router = base + ["--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,
@@ -68,70 +107,155 @@ def _url(cmd: list[str]) -> str:
     return f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
 
 
+def _answers(base: str) -> bool:
+    """The router is up if it answers at all: its /health is 503 while one of its backends is down."""
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+def _log(message: str) -> None:
+    print(f"specpd serve --disagg: {message}", file=sys.stderr, flush=True)
+
+
+class _Child:
+    """One supervised server: its command line, process, and restart state."""
+
+    def __init__(self, cmd: list[str]):
+        self.cmd = cmd
+        self.url = _url(cmd)
+        self.role = cmd[cmd.index("--role") + 1]
+        self.name = f"{self.role} {self.url}"
+        self.proc: subprocess.Popen | None = None
+        self.up = False  # answered its health check since the last (re)start
+        self.started_at = self.up_since = 0.0
+        self.failing_since: float | None = None
+        self.next_check = 0.0
+        self.restart_at: float | None = None  # waiting out a backoff
+        self.crashes = 0  # restarts since it was last up STABLE_S
+        self.failed_starts = 0  # restarts in a row that never became healthy
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd)
+        self.started_at, self.up, self.failing_since, self.restart_at = time.monotonic(), False, None, None
+
+    def healthy(self) -> bool:
+        return _answers(self.url) if self.role == "router" else healthy(self.url)
+
+    def supervise(self, now: float) -> None:
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                _log(f"starting {self.name} again (restart {self.crashes})")
+                self.start()
+            return
+        if self.proc.poll() is not None:
+            self._restart(now, f"exited with {self.proc.returncode}")
+            return
+        if now < self.next_check:
+            return
+        self.next_check = now + HEALTH_INTERVAL_S
+        ok = self.healthy()
+        if not self.up:
+            if ok:
+                self.up, self.up_since, self.failed_starts = True, now, 0
+                if self.crashes:
+                    _log(f"{self.name} is back up")
+            elif now - self.started_at > STARTUP_TIMEOUT_S:
+                self._restart(now, f"not healthy {STARTUP_TIMEOUT_S:g} s after its start")
+            return
+        if ok:
+            self.failing_since = None
+            if now - self.up_since > STABLE_S:
+                self.crashes = 0
+        else:
+            self.failing_since = self.failing_since or now
+            if now - self.failing_since > HEALTH_GRACE_S:
+                self._restart(now, f"health check failing for {now - self.failing_since:.0f} s")
+
+    def _restart(self, now: float, why: str) -> None:
+        if not self.up:
+            self.failed_starts += 1
+            if self.failed_starts >= MAX_FAILED_STARTS:
+                raise RuntimeError(f"{self.name} {why}; it failed to come back {self.failed_starts} times in a row")
+        _stop([self.proc], timeout_s=5.0)
+        delay = BACKOFF_S[min(self.crashes, len(BACKOFF_S) - 1)]
+        self.crashes += 1
+        self.restart_at = now + delay
+        _log(f"{self.name} {why}; restarting it in {delay:g} s (the others keep serving)")
+
+
 class _Stop(Exception):
     pass
 
 
 def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     try:
-        prefill, decode, router = child_commands(args, argv)
+        parse_layout(args.disagg)
     except ValueError as e:
         print(f"specpd serve: {e}", file=sys.stderr)
         return 2
-    procs: list[subprocess.Popen] = []
+    transfer_backend = choose_transfer_backend(args.transfer_backend)
+    prefill, decode, router = child_commands(args, argv, transfer_backend)
+    servers = [_Child(cmd) for cmd in prefill + decode]
+    children = servers + [_Child(router)]
 
     def stop(*_):
         raise _Stop
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        procs += [subprocess.Popen(cmd) for cmd in prefill + decode]
-        _wait_healthy(procs, [_url(c) for c in prefill + decode])
-        procs.append(subprocess.Popen(router))
-        _wait_healthy(procs[-1:], [_url(router)], others=procs[:-1])
+        for child in servers:
+            child.start()
+        _wait_healthy(servers)
+        children[-1].start()
+        _wait_healthy(children[-1:], others=servers)
         from specpd.server.cli import ready_message
         model = args.argv[args.argv.index("--model") + 1] if "--model" in args.argv else "default"
-        print(f"specpd PD cluster ({args.disagg}): prefill {[_url(c) for c in prefill]} "
-              f"decode {[_url(c) for c in decode]}", flush=True)
+        print(f"specpd PD cluster ({args.disagg}, transfer backend {transfer_backend}): prefill "
+              f"{[_url(c) for c in prefill]} decode {[_url(c) for c in decode]}", flush=True)
         print(ready_message(args.host, args.port, model), flush=True)
+        now = time.monotonic()
+        for child in children:
+            child.up, child.up_since, child.next_check = True, now, now + HEALTH_INTERVAL_S
         while True:
-            for proc in procs:
-                if proc.poll() is not None:
-                    print(f"specpd serve --disagg: {' '.join(proc.args[3:7])} exited with {proc.returncode}; "
-                          f"stopping the cluster", file=sys.stderr)
-                    return proc.returncode or 1
+            for child in children:
+                child.supervise(time.monotonic())
             time.sleep(0.5)
     except _Stop:
         return 0
     except RuntimeError as e:
-        print(f"specpd serve --disagg: {e}", file=sys.stderr)
+        _log(f"{e}; stopping the cluster")
         return 1
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        _terminate(procs)
+        _stop([c.proc for c in children if c.proc is not None])
 
 
-def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], others: list[subprocess.Popen] = ()) -> None:
+def _wait_healthy(children: list[_Child], others: list[_Child] = ()) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    pending = dict(zip(urls, procs))
+    pending = list(children)
     while pending:
-        for proc in list(pending.values()) + list(others):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(proc.args[3:7])} exited with {proc.returncode} during startup")
-        for url in [u for u in pending if healthy(u)]:
-            del pending[url]
+        for child in pending + list(others):
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during startup")
+        pending = [c for c in pending if not c.healthy()]
         if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:g} s: {sorted(pending)}")
+            raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:g} s: {[c.name for c in pending]}")
         if pending:
             time.sleep(0.3)
 
 
-def _terminate(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL whatever has not exited after `timeout_s`."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:
             proc.wait(max(0.1, deadline - time.monotonic()))

@@ -1,10 +1,13 @@
 """Transfer backends (DESIGN.md §6): an ABC and a registry; heavy engines are imported only when chosen.
 
-`--transfer-backend {mooncake,tcp}`: `create_backend(name, host=..., **options)`.
+`--transfer-backend {mooncake,tcp}`: `create_backend(name, host=..., **options)`. Without the flag a PD
+server takes `default_backend()`: mooncake where its engine loads, else tcp with one log line saying why
+(`specpd serve --disagg` decides once and passes the choice to every child).
 """
 from __future__ import annotations
 
 import importlib
+import logging
 
 from specpd.disagg.transfer.base import (PageCopy, PeerUnreachable, TransferBackend, TransferError, TransferHandle,
                                          TransferResult, TransferStatus)
@@ -28,6 +31,20 @@ def create_backend(name: str, host: str = "127.0.0.1", **options) -> TransferBac
     return get_backend_class(name)(host, **options)
 
 
+DEFAULT_BACKEND = "mooncake"
+FALLBACK_BACKEND = "tcp"
+
+
+def default_backend() -> str:
+    """mooncake if its engine loads here, else tcp (logged once, with the reason)."""
+    ok, why = backend_available(DEFAULT_BACKEND)
+    if ok:
+        return DEFAULT_BACKEND
+    logging.getLogger(__name__).warning("transfer backend %s: %s cannot load here (%s)", FALLBACK_BACKEND,
+                                        DEFAULT_BACKEND, why)
+    return FALLBACK_BACKEND
+
+
 def backend_available(name: str) -> tuple[bool, str]:
     """(True, "") if `name` loads here, else (False, why)."""
     try:
@@ -39,4 +56,4 @@ def backend_available(name: str) -> tuple[bool, str]:
 
 __all__ = ["TRANSFER_BACKENDS", "PageCopy", "PeerUnreachable", "TransferBackend", "TransferError",
            "TransferHandle", "TransferResult", "TransferStatus", "backend_available", "create_backend",
-           "get_backend_class"]
+           "default_backend", "get_backend_class"]

@@ -1,0 +1,75 @@
+"""`specpd serve --disagg 1p1d` over real processes survives its children: the prefill server SIGKILLed,
+the next request gets an HTTP error (not a refused connection) within the heartbeat timeout, the launcher
+restarts P and the cluster serves again within a minute, with D's pages back to its total; the transfer
+backend is decided once by the launcher and passed to every child."""
+import os
+import signal
+import sys
+import time
+
+import httpx
+
+from specpd.server.cluster import child_commands, choose_transfer_backend
+from specpd.server.launch import free_port
+from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
+from tests.server.launcher import launch_server
+
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def test_children_get_the_launchers_transfer_backend():
+    from specpd.server.cli import build_parser
+    argv = ["serve", "--disagg", "2p1d", "--transfer-backend", "tcp", "--model", "m", "--port", "9000"]
+    args = build_parser().parse_args(argv)
+    assert choose_transfer_backend(args.transfer_backend) == "tcp"
+    prefill, decode, router = child_commands(args, argv[1:], "mooncake")
+    for cmd in prefill + decode:
+        assert cmd.count("--transfer-backend") == 1 and cmd[cmd.index("--transfer-backend") + 1] == "mooncake"
+        assert cmd[:3] == [sys.executable, "-m", "specpd"] and "--model" in cmd
+    assert "--transfer-backend" not in router
+    assert [c[c.index("--bootstrap-port") + 1] for c in prefill] == ["8998", "8999"]
+
+
+def test_a_killed_prefill_is_restarted_and_the_cluster_serves_again(model_dir, expected):  # noqa: F811
+    p_port, d_port, boot = free_port(), free_port(), free_port()
+    args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
+            str(boot), "--log-level", "warning", "--pd-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            *engine_args(model_dir)]
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+
+    def tokens(resp):
+        return [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+
+    with launch_server(args) as srv:
+        client, launcher = srv["client"], srv["proc"]
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and tokens(resp) == expected[1], resp.text
+        p_info = httpx.get(p_url + "/server_info").json()
+        d_total = httpx.get(d_url + "/server_info").json()["total_pages"]
+        assert p_info["transfer_backend"] in ("mooncake", "tcp")
+
+        os.kill(p_info["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        resp = client.post("/v1/completions", json=body, timeout=30)  # the router answers, P is gone
+        assert resp.status_code >= 500 and "prefill" in resp.text, resp.text
+        assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 1
+
+        while True:  # the launcher restarts P; the first request that works ends the outage
+            assert launcher.poll() is None, "the launcher stopped the cluster"
+            assert time.monotonic() - killed < 60, "the cluster did not serve again within a minute"
+            try:
+                resp = client.post("/v1/completions", json=body, timeout=30)
+            except httpx.TransportError as e:
+                raise AssertionError(f"the router itself went away: {e!r}") from None
+            if resp.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert tokens(resp) == expected[1]
+        new_p = httpx.get(p_url + "/server_info").json()
+        assert new_p["pid"] != p_info["pid"]
+        deadline = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S + 5  # rooms toward the dead P: the heartbeat rule
+        while (d := httpx.get(d_url + "/server_info").json())["free_pages"] != d_total:
+            assert time.monotonic() < deadline, d
+            time.sleep(0.2)
+        assert d["pd_transfer"] == 0 and d["pd_prealloc"] == 0

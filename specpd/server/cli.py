@@ -139,16 +139,18 @@ def serve(args: argparse.Namespace) -> int:
         # receiver) that must take the GIL back from the engine thread after every transfer call; at the
         # default 5 ms switch interval that wait exceeds a 5 MB write over loopback (~3 ms)
         sys.setswitchinterval(PD_SWITCH_INTERVAL_S)
+        from specpd.disagg.transfer import default_backend
+        transfer_backend = args.transfer_backend or default_backend()
     logger.info("loading %s", config.model)
     # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
     engine = LLMEngine(config, with_draft=not (args.role == "prefill" and config.spec.draft_mode == "decode-only"))
     if args.role == "prefill":
         from specpd.disagg.prefill import PrefillWorker
-        engine = PrefillWorker(engine, args.transfer_backend, args.host, args.bootstrap_port,
+        engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
                                bootstrap_timeout_s=args.pd_bootstrap_timeout)
     elif args.role == "decode":
         from specpd.disagg.decode import DecodeWorker
-        engine = DecodeWorker(engine, args.transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
+        engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
                               prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
                               heartbeat_timeout_s=args.pd_heartbeat_timeout)
     from specpd.server.admission import warn_if_open
@@ -257,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with N requests waiting for their first token, more get HTTP 503 with Retry-After "
                           "(default: no limit)")
     pd = p.add_argument_group("disaggregation (--role prefill / decode / router)")
-    pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default="tcp",
-                    help="KV page transfer engine, the same on P and D (default: tcp)")
+    pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default=None,
+                    help="KV page transfer engine, the same on P and D (default: mooncake where its engine "
+                         "loads, else tcp, with a log line saying why; --disagg decides once for all children)")
     pd.add_argument("--bootstrap-port", type=int, default=8998,
                     help="prefill: port of the bootstrap registry (/route, /health); router: the prefill "
                          "server's (default: 8998)")

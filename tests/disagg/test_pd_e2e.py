@@ -215,8 +215,8 @@ def check_duplicate_room_refused(p_url: str) -> None:
 
 
 def test_disagg_cluster_launcher(model_dir, expected):
-    """`specpd serve --disagg 1p1d` starts P, D and the router; greedy output matches unified; when a child
-    dies the launcher stops the others and fails."""
+    """`specpd serve --disagg 1p1d` starts P, D and the router; greedy output matches unified (a dead child
+    is restarted: tests/disagg/test_cluster.py)."""
     p_port, d_port, boot = free_port(), free_port(), free_port()
     args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
             str(boot), "--log-level", "warning", *engine_args(model_dir)]
@@ -234,10 +234,7 @@ def test_disagg_cluster_launcher(model_dir, expected):
         info = client.get("/server_info").json()  # the router's view of its backends
         assert info["backends"][d_url]["role"] == "decode" and info["backends"][p_url]["pid"] == p_info["pid"]
         assert info["free_pages"] == info["total_pages"] == p_info["total_pages"] + d_info["total_pages"]
-        os.kill(p_info["pid"], signal.SIGKILL)
-        assert launcher.wait(30) != 0
-        with pytest.raises(httpx.TransportError):
-            httpx.get(d_url + "/health", timeout=2)
+        assert launcher.poll() is None
 
 
 def test_a_killed_prefill_fails_the_request_and_frees_decode_pages(model_dir):

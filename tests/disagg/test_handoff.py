@@ -9,6 +9,7 @@ import torch
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams, TokenLogprob
+from specpd.disagg.transfer import backend_available
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
 from specpd.server.launch import free_port
@@ -349,4 +350,23 @@ def test_abort_with_a_dead_prefill_frees_after_the_hard_timeout(model_dir):
             outs += d.step()
         assert [o.finish_reason for o in outs] == ["abort"] and d.free_pages == 64
     finally:
+        d.close()
+
+
+@pytest.mark.skipif(not backend_available("mooncake")[0], reason="mooncake does not load here")
+def test_decode_refuses_a_prefill_on_another_transfer_backend(model_dir):
+    """P on tcp, D on mooncake: refused at bootstrap (PeerConfig), both names in the error, no room opened."""
+    from specpd.core import InvalidRequest
+    from specpd.disagg.decode import DecodeWorker
+    from specpd.disagg.prefill import PrefillWorker
+    from specpd.disagg.worker import BootstrapInfo
+    port = free_port()
+    p = PrefillWorker(make_engine(model_dir), "tcp", bootstrap_port=port)
+    d = DecodeWorker(make_engine(model_dir), "mooncake")
+    try:
+        with pytest.raises(InvalidRequest, match="transfer_backend: prefill='tcp' decode='mooncake'"):
+            d.bootstrap("d0", BootstrapInfo("127.0.0.1", port, 8))
+        assert d.free_pages == 64 and not d.has_unfinished_requests()
+    finally:
+        p.close()
         d.close()

@@ -1,6 +1,8 @@
 """The PD router: one OpenAI endpoint in front of a prefill server (P) and a decode server (D). No torch.
 
 A request's life in the router:
+  0. Admission (specpd/server/admission.py): --api-key on /v1/* (401), --max-request-bytes (413), before the
+     body is parsed. P and D are not asked for a key: they listen on loopback behind this router.
   1. Pick a prefill and a decode server at random (`--prefill URL[,URL...] --decode URL[,URL...]`), draw a
      random 63-bit `bootstrap_room`; add `bootstrap_host`, `bootstrap_port` (P's bootstrap server, read once
      from P's /server_info; --bootstrap-port when P does not say) and the room to the JSON body.
@@ -9,7 +11,10 @@ A request's life in the router:
   3. Return D's answer: streamed through chunk by chunk, or the whole body.
   4. If P fails (error status or connection error), D's request is dropped (its connection closed, so D
      aborts the room) and the client gets P's error. If D refuses (e.g. a config mismatch, HTTP 400), P's
-     request is dropped and the client gets D's error.
+     request is dropped and the client gets D's error. A refusal keeps its status, body and Retry-After
+     (400 / 413 / 503 reach the client as P or D sent them); only an unreachable server becomes 502.
+/server_info (also /get_server_info): `prefill` and `decode` list one object per server, its URL plus its
+own /server_info, so SGLang's bench_serving finds `decode[0]["internal_states"][0]["avg_spec_accept_length"]`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
+from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
+
+_PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
 
 
 def _error(message: str, code: int) -> JSONResponse:
@@ -40,8 +48,15 @@ def _urls(spec: str | list[str]) -> list[str]:
     return urls
 
 
+def _relayed(resp: httpx.Response, content: bytes) -> Response:
+    """A backend's refusal as the client gets it: same status, body, content type and Retry-After."""
+    return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"),
+                    headers={k: resp.headers[k] for k in _PASSED_HEADERS if k in resp.headers})
+
+
 def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
-                      bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, bootstrap_host: str | None = None) -> FastAPI:
+                      bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, bootstrap_host: str | None = None,
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None) -> FastAPI:
     prefill_urls, decode_urls = _urls(prefill_url), _urls(decode_url)
     state: dict = {"bootstrap": {}}  # P url -> (bootstrap host, port)
 
@@ -55,6 +70,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             await state["client"].aclose()
 
     app = FastAPI(title="specpd router", lifespan=lifespan)
+    app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key)
 
     async def bootstrap_address(url: str) -> tuple[str, int]:
         known = state["bootstrap"].get(url)
@@ -72,8 +88,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
 
     async def generate(raw: Request, path: str):
         try:
-            body = json.loads(await raw.body())
-        except json.JSONDecodeError as e:
+            body = await asyncio.to_thread(json.loads, await raw.body())  # bounded by the middleware
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(f"body is not JSON: {e}", 400)
         if not isinstance(body, dict):
             return _error("body must be a JSON object", 400)
@@ -84,13 +100,14 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only valid with stream=true
         prefill = asyncio.ensure_future(client.post(prefill_url + path, json={**p_body, "stream": False}))
 
-        async def prefill_failure() -> str | None:
+        async def prefill_failure() -> Response | None:
+            """None once P handed the KV off; else what the client gets (P's refusal as P sent it)."""
             try:
                 resp = await prefill
             except httpx.HTTPError as e:
-                return f"prefill server unreachable: {e!r}"
+                return _error(f"prefill server unreachable: {e!r}", 502)
             if resp.status_code != 200:
-                return f"prefill server answered {resp.status_code}: {resp.text}"
+                return _relayed(resp, resp.content)
             return None
 
         watcher = asyncio.ensure_future(prefill_failure())
@@ -100,7 +117,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         done, _ = await asyncio.wait({decode, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if decode not in done and watcher.result() is not None:
             decode.cancel()  # closes the connection: D aborts the room
-            return _error(watcher.result(), 502)
+            return watcher.result()
         try:
             decode_resp = await decode
         except httpx.HTTPError as e:
@@ -112,15 +129,14 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             await decode_resp.aclose()
             watcher.cancel()
             prefill.cancel()  # closes the connection: P drops the room from its bootstrap queue
-            return Response(content, status_code=decode_resp.status_code,
-                            media_type=decode_resp.headers.get("content-type"))
+            return _relayed(decode_resp, content)
         if not body.get("stream"):
             reader = asyncio.ensure_future(decode_resp.aread())
             done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher in done and watcher.result() is not None:
                 reader.cancel()
                 await decode_resp.aclose()
-                return _error(watcher.result(), 502)
+                return watcher.result()
             content = await reader
             await decode_resp.aclose()
             return Response(content, status_code=200, media_type=decode_resp.headers.get("content-type"))
@@ -136,10 +152,11 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                         failure = watcher.result()
                         if failure is None:
                             await asyncio.wait({nxt})
-                        else:
+                        else:  # D's stream has begun: the status is sent, the error goes in-band
                             nxt.cancel()
-                            yield ("data: " + json.dumps({"error": {"message": failure, "code": 502}}) + "\n\n"
-                                   "data: [DONE]\n\n").encode()
+                            message = f"prefill failed ({failure.status_code}): {failure.body.decode(errors='replace')}"
+                            yield ("data: " + json.dumps({"error": {"message": message, "code": failure.status_code}})
+                                   + "\n\n" + "data: [DONE]\n\n").encode()
                             return
                     try:
                         yield nxt.result()
@@ -181,27 +198,35 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         return {"status": "ok"}
 
     @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info():
-        """The router's own facts plus each backend's /server_info (pages, acceptance), and their sums."""
+        """The router's own facts, each backend's /server_info (pages, acceptance) under its URL, and sums.
+        tau over all D: committed tokens / verify forwards, each D weighted by its verify count."""
         backends = {}
         for url, resp in await ask_backends("/server_info", 5.0):
             try:
                 info = resp.json()
-            except (AttributeError, ValueError):
-                backends[url] = {"error": repr(resp)}
+                if not isinstance(info, dict):
+                    raise ValueError(f"not a JSON object: {info!r}")
+            except (AttributeError, ValueError) as e:
+                backends[url] = {"url": url, "error": repr(resp if isinstance(resp, Exception) else e)}
                 continue
-            backends[url] = {k: info.get(k) for k in ("role", "pid", "free_pages", "total_pages", "config",
-                                                      "spec_verify_count", "spec_accepted_tokens",
-                                                      "spec_accept_length")}
+            backends[url] = {"url": url, **info}
         decode = [backends[u] for u in decode_urls if "error" not in backends[u]]
         verify = sum(b.get("spec_verify_count") or 0 for b in decode)
         committed = sum((b.get("spec_accept_length") or 0) * (b.get("spec_verify_count") or 0) for b in decode)
+        tau = committed / verify if verify else None
         live = [b for b in backends.values() if "error" not in b]
-        return {"role": "router", "pid": os.getpid(), "prefill": prefill_urls, "decode": decode_urls,
+        return {"role": "router", "pid": os.getpid(),
+                "prefill": [backends[u] for u in prefill_urls], "decode": [backends[u] for u in decode_urls],
                 "bootstrap_port": bootstrap_port, "config": {"prefill": prefill_urls, "decode": decode_urls},
                 "free_pages": sum(b.get("free_pages") or 0 for b in live),
                 "total_pages": sum(b.get("total_pages") or 0 for b in live),
-                "spec_verify_count": verify, "spec_accept_length": committed / verify if verify else None,
-                "backends": backends}
+                "spec_verify_count": verify, "spec_accept_length": tau,
+                "internal_states": [{"avg_spec_accept_length": tau, "spec_verify_count": verify}],
+                "backends": {u: {k: b.get(k) for k in ("role", "pid", "free_pages", "total_pages", "config",
+                                                       "spec_verify_count", "spec_accepted_tokens",
+                                                       "spec_accept_length", "error") if k in b}
+                             for u, b in backends.items()}}
 
     return app

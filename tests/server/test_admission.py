@@ -130,7 +130,8 @@ def test_full_queue_is_503_with_retry_after(client):
             refused, seconds = _timed(client.post, "/v1/completions", json=NORMAL)
             assert refused.status_code == 503, refused.text
             assert int(refused.headers["Retry-After"]) >= 1
-            assert refused.json()["error"]["code"] == 503 and "max-queued-requests" in refused.json()["error"]["message"]
+            err = refused.json()["error"]
+            assert err["code"] == 503 and "max-queued-requests" in err["message"], err
             chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
             assert chat.status_code == 503 and "Retry-After" in chat.headers
             assert seconds < 1.0

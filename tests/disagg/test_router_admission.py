@@ -1,0 +1,121 @@
+"""Real processes on 127.0.0.1: router -> prefill (P) + decode (D), a tiny random Llama with a random EAGLE draft.
+
+SPECPD_API_KEY is in every process's environment (as `specpd serve --disagg` children inherit it): the router
+requires the key, P and D take none and serve the router without it. A 30 MB body is refused by the router
+with 413 in under a second while a normal request through it completes. The router's /server_info lists P
+and D as objects carrying their own /server_info, so SGLang's bench client reads D's acceptance length.
+P's and D's free pages return to their totals.
+"""
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+
+from specpd.server.launch import free_port
+from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, wait_free_pages
+from tests.server.launcher import STARTUP_TIMEOUT_S
+from tests.server.test_server_info import sglang_accept_length
+
+KEY = "pd-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BIG = 30_000_000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from specpd.config import ModelConfig
+    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.model.loader import load_checkpoint
+    from specpd.server.launch import ServerStartError, serve_processes
+    from tests.model.hf_models import save_tiny_model
+    model_dir = str(tmp_path_factory.mktemp("tiny_llama_router"))
+    save_tiny_model("llama", model_dir)
+    eagle_dir = str(tmp_path_factory.mktemp("tiny_eagle_router"))
+    random_draft_checkpoint(eagle_dir, "eagle", ModelConfig.from_hf(load_checkpoint(model_dir).hf_config), seed=1)
+    spec = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3"]
+    boot = free_port()
+    env = {"SPECPD_API_KEY": KEY}
+    try:
+        with serve_processes([["--role", "prefill", "--bootstrap-port", str(boot), "--log-level", "warning",
+                               *engine_args(model_dir), *spec],
+                              ["--role", "decode", "--log-level", "warning", *engine_args(model_dir), *spec]],
+                             STARTUP_TIMEOUT_S, env=env) as pd:
+            p_url, d_url = pd[0][1], pd[1][1]
+            with serve_processes([["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port",
+                                   str(boot), "--log-level", "warning"]], STARTUP_TIMEOUT_S, env=env) as [router]:
+                yield p_url, d_url, router[1]
+    except ServerStartError as e:
+        pytest.fail(str(e))
+
+
+def _complete(router: str, prompt: list[int], headers=AUTH) -> httpx.Response:
+    return httpx.post(router + "/v1/completions", headers=headers, timeout=120,
+                      json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+
+
+def _pages_back(*bases):
+    for base in bases:
+        info = wait_free_pages(base)
+        assert info["free_pages"] == info["total_pages"], (base, info)
+
+
+def test_router_requires_the_key_and_p_d_do_not(cluster):
+    p_url, d_url, router = cluster
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = _complete(router, PROMPTS[0], headers)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["code"] == 401 and resp.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(router + "/health").status_code == 200
+    resp = _complete(router, PROMPTS[0])
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS, resp.text
+    for base in (p_url, d_url):  # no key needed behind the router
+        assert httpx.get(base + "/v1/models").status_code == 200
+    _pages_back(p_url, d_url)
+
+
+def test_30mb_body_is_413_fast_through_the_router_while_a_request_completes(cluster):
+    p_url, d_url, router = cluster
+    big = b'{"prompt": "' + b"a" * BIG + b'", "max_tokens": 4}'
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(BIG >> 20):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    def timed(content):
+        start = time.perf_counter()
+        resp = httpx.post(router + "/v1/completions", content=content, timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+        return resp, time.perf_counter() - start
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        normal = pool.submit(_complete, router, PROMPTS[1])
+        refused = [pool.submit(timed, big), pool.submit(timed, chunked())]
+        for future in refused:
+            resp, seconds = future.result()
+            assert resp.status_code == 413 and resp.json()["error"]["code"] == 413, resp.text[:300]
+            assert seconds < 1.0, f"413 after {seconds:.2f} s"
+        resp = normal.result()
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS, resp.text
+    _pages_back(p_url, d_url)
+
+
+def test_router_server_info_lists_servers_with_their_acceptance(cluster):
+    p_url, d_url, router = cluster
+    for prompt in PROMPTS:
+        assert _complete(router, prompt).status_code == 200
+    _pages_back(p_url, d_url)
+    d_info = httpx.get(d_url + "/server_info").json()
+    tau = d_info["internal_states"][0]["avg_spec_accept_length"]
+    assert d_info["spec_verify_count"] >= len(PROMPTS) and tau == pytest.approx(d_info["spec_accept_length"])
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(router + path).json()
+        assert [b["url"] for b in info["prefill"]] == [p_url] and [b["url"] for b in info["decode"]] == [d_url]
+        assert info["prefill"][0]["role"] == "prefill" and info["decode"][0]["role"] == "decode"
+        assert info["decode"][0]["internal_states"] == d_info["internal_states"]
+        assert info["decode"][0]["pid"] == d_info["pid"]
+        assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(tau)
+        assert info["free_pages"] == info["total_pages"]
+    assert sglang_accept_length(router) == pytest.approx(tau) and tau >= 1.0

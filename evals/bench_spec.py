@@ -21,6 +21,8 @@ draft with random weights (acceptance ~0), full 49k vocabulary vs an 8192-id dra
   python evals/bench_spec.py           # full run -> evals/results/spec.json
   python evals/bench_spec.py --quick   # smoke run -> $TMPDIR
   python evals/bench_spec.py --draft-model default   # the shipped trained head instead: spec_trained.json
+  python evals/bench_spec.py --workloads --batch-sizes 1 8 16 --output-len 96   # every drafter, three
+                                           # workloads, adaptive on/off: spec_workloads.json (+ .png)
 """
 from __future__ import annotations
 
@@ -294,7 +296,21 @@ def main() -> None:
     trained.add_argument("--spec-steps", type=int, default=4)
     trained.add_argument("--tree-topk", type=int, default=4)
     trained.add_argument("--tree-tokens", type=int, default=8)
+    work = ap.add_argument_group("every drafter on chat / code / grounded workloads (evals/spec_workloads.py)")
+    work.add_argument("--workloads", action="store_true")
+    work.add_argument("--workload-names", nargs="+", default=["chat", "code", "grounded"])
+    work.add_argument("--configs", nargs="+", default=None, help="spec_workloads.configs names (default: all)")
+    work.add_argument("--batched-configs", nargs="+",
+                      default=["non_spec", "eagle3", "eagle3_fixed", "ngram", "hybrid", "random_eagle3"])
+    work.add_argument("--prompt-sets", type=int, default=2, help="distinct prompt sets the reps cycle over")
+    work.add_argument("--split", default="held_out", choices=["held_out", "train"],
+                      help="train: the prompts defaults are tuned on (never reported)")
+    work.add_argument("--num-pages", type=int, default=1024)
     args = ap.parse_args()
+    if args.workloads:
+        from spec_workloads import run
+        args.out = args.out or os.path.join(RESULTS_DIR, "spec_workloads.json")
+        return run(args)
     if args.draft_model:
         from spec_trained import run_trained
         return run_trained(args)

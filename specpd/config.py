@@ -115,6 +115,9 @@ class SpecConfig:
     # adaptive speculation (specpd/engine/spec_policy.py): each round, per request, the draft depth
     # (0 = a plain decode step) that maximises expected committed tokens per second
     spec_adaptive: bool = True
+    # test-only: a fixed cost table instead of the startup measurement, and no engine-wide or online
+    # learning, so a request's rounds depend on its own history alone (PD and unified then agree)
+    spec_adaptive_pinned: bool = False
     # n-gram drafting (specpd/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
     # tree with spec_ngram (hybrid); contexts of min..max match tokens; a store of recent outputs
     # shared across requests bounded to spec_ngram_store_tokens tokens (0: off)

@@ -64,7 +64,7 @@ class LLMEngine:
         self._handoffs: dict[str, Request] = {}  # PD prefill: prefilled requests holding their pages
         self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
-        self.spec_stats = SpecStats(config.spec.num_steps)
+        self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
 
     # -- public API ------------------------------------------------------------------------
     @property

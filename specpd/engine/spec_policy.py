@@ -68,6 +68,12 @@ class CostModel:
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
 
+    @classmethod
+    def pinned(cls, with_draft: bool) -> "CostModel":
+        """A fixed table in the shape this engine measures on CPU (50 ms a decode step, +1 ms a row,
+        3 ms a draft forward), for tests that need reproducible plans."""
+        return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
+
     def target(self, requests: int, rows: int) -> float:
         return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
 
@@ -167,9 +173,14 @@ class AdaptivePolicy:
         if n == 0:
             return []
         gains = [self.expected_tokens(self.accept_rates(r)) for r in request_ids]
-        depth = [0] * n
-        base_time = self._round_time(depth, gains, other_requests, other_rows)
-        lam = n / base_time
+        base_time = self._round_time([0] * n, gains, other_requests, other_rows)
+        # start from the best depth shared by everyone (a draft forward's fixed cost is shared, which
+        # one request's marginal view would not see), then let each request move from there
+        uniform = max(range(self.num_steps + 1), key=lambda k: sum(g[k] for g in gains)
+                      / self._round_time([k] * n, gains, other_requests, other_rows))
+        depth = [uniform] * n
+        lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, gains, other_requests,
+                                                                                    other_rows))
         cost, steps = self.cost, self.num_steps
         for _ in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)

@@ -158,7 +158,7 @@ class SpecRunner:
 
     # -- adaptive speculation: the cost model --------------------------------------------------
     @torch.inference_mode()
-    def calibrate(self, context: int = 128, reps: int = 2) -> CostModel:
+    def calibrate(self, context: int = 128, reps: int = 3) -> CostModel:
         """Time target forwards by rows (one request, `context` tokens cached) and by requests, and
         draft forwards by rows, on scratch pages; the pages go back to the allocator."""
         runner, pool = self.runner, self.runner.kv_pool
@@ -197,7 +197,8 @@ class SpecRunner:
                 return timed(lambda: self._target_forward(ids, pos, q, kv, lists, [None] * requests,
                                                           list(range(n))))
 
-            target_rows = {r: target(r, 1) for r in grid}
+            target(grid[-1], 1)  # first-call costs out of the table
+            target_rows = _monotone({r: target(r, 1) for r in grid})
             per_request = max(0.0, (target(1, batch) - target_rows[min(batch, grid[-1])]) / (batch - 1))
             draft_rows = None
             if isinstance(self.proposer, (EagleProposer, HybridProposer)):
@@ -210,6 +211,7 @@ class SpecRunner:
                     hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
                     draft_rows[r] = timed(lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r],
                                                                          [pages[:big_pages]], step=1), step=1))
+                draft_rows = _monotone(draft_rows)
         finally:
             alloc.free(pages)
         return CostModel(target_rows, per_request, draft_rows)
@@ -270,7 +272,7 @@ class SpecRunner:
 
 
 def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:
-    """frozen_policy (tests): the adaptive policy neither learns engine-wide nor refines its costs."""
+    """frozen_policy: the adaptive policy neither learns engine-wide nor refines its measured costs."""
     cfg = runner.model_config
     steps, topk, num_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens
     if spec.speculative_algorithm == "replay":
@@ -292,11 +294,20 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
     spec_runner = SpecRunner(runner, proposer)
     if spec.spec_adaptive:
-        cost = spec_runner.calibrate()
-        cost.frozen = frozen_policy
-        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost,
-                                            frozen=frozen_policy)
+        frozen = frozen_policy or spec.spec_adaptive_pinned
+        cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else spec_runner.calibrate()
+        cost.frozen = frozen
+        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen)
     return spec_runner
+
+
+def _monotone(table: dict[int, float]) -> dict[int, float]:
+    """More rows never cost less: a noisy high reading at few rows is cut to the cheapest after it."""
+    out, low = {}, float("inf")
+    for rows in sorted(table, reverse=True):
+        low = min(low, table[rows])
+        out[rows] = low
+    return dict(sorted(out.items()))
 
 
 def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:

@@ -1,0 +1,149 @@
+"""Adaptive speculation: the policy's choices on synthetic cost/acceptance tables, and in the engine
+(lossless, a useless draft goes quiet and stops paying its extend, a good one speculates deep)."""
+import pytest
+
+from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.draft.loader import random_draft_checkpoint
+from specpd.engine.llm_engine import LLMEngine
+from specpd.engine.spec_policy import PROBE_MIN, AdaptivePolicy, CostModel
+from specpd.model.loader import load_checkpoint
+from tests.model.hf_models import save_tiny_model
+
+MS = 1e-3
+
+
+def memory_bound() -> CostModel:
+    """A CPU decode: 50 ms for one row, +1 ms per extra row; a 3 ms draft forward."""
+    return CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 10 * MS},
+                     frozen=True)
+
+
+def compute_bound() -> CostModel:
+    """A saturated target: every row costs 4 ms."""
+    return CostModel({1: 4 * MS, 512: 2048 * MS}, per_request=0.0, draft_rows={1: 3 * MS, 512: 100 * MS},
+                     frozen=True)
+
+
+def policy_with(cost: CostModel, rate: float, steps: int = 5, rounds: int = 40, ids=("a",)) -> AdaptivePolicy:
+    """Every request has seen `rounds` rounds in which each depth was accepted with probability `rate`
+    (fed as expected counts: accepted = round(rate * reached))."""
+    policy = AdaptivePolicy(steps, 1, steps + 1, cost, frozen=True)
+    for rid in ids:
+        st = policy._get(rid)
+        reach = 1.0
+        for d in range(steps):
+            st.attempted[d] = rounds * reach
+            st.accepted[d] = rounds * reach * rate
+            reach *= rate
+    return policy
+
+
+def test_useless_draft_plans_depth_zero_and_probes():
+    policy = policy_with(memory_bound(), rate=0.0)
+    plans = [policy.plan(["a"])[0] for _ in range(PROBE_MIN)]
+    assert plans[:-1] == [(0, 1)] * (PROBE_MIN - 1)
+    assert plans[-1] == (1, 2)  # the probe
+    policy.observe("a", 1, 0)  # failed: the next probe waits twice as long
+    assert policy._get("a").probe_every == 2 * PROBE_MIN
+
+
+def test_good_draft_speculates_deep_and_a_mediocre_one_shallower():
+    deep = policy_with(memory_bound(), rate=0.9).plan(["a"])[0]
+    assert deep == (5, 6)
+    mid = policy_with(memory_bound(), rate=0.4).plan(["a"])[0]
+    assert 1 <= mid[0] < 5
+
+
+def test_compute_bound_batches_speculate_less():
+    ids = [f"r{i}" for i in range(16)]
+    cheap = policy_with(memory_bound(), rate=0.5, ids=ids).plan(ids)
+    saturated = policy_with(compute_bound(), rate=0.5, ids=ids).plan(ids)
+    assert all(k >= 1 for k, _ in cheap)
+    assert sum(k for k, _ in saturated) < sum(k for k, _ in cheap)
+    assert all(k == 0 for k, _ in policy_with(compute_bound(), rate=0.3, ids=ids).plan(ids))
+
+
+def test_per_request_depths_differ_by_acceptance():
+    policy = policy_with(memory_bound(), rate=0.9, ids=["good"])
+    st = policy._get("bad")
+    st.attempted[0], st.accepted[0] = 40.0, 0.0
+    plans = dict(zip(["good", "bad"], policy.plan(["good", "bad"])))
+    assert plans["good"][0] >= 3 and plans["bad"][0] == 0
+
+
+def test_observe_updates_conditional_rates():
+    policy = AdaptivePolicy(3, 1, 4, memory_bound(), frozen=True)
+    for _ in range(30):
+        policy.observe("a", 3, 1)  # depth 1 always accepted, depth 2 always refused
+    rates = policy.accept_rates("a")
+    assert rates[0] > 0.8 and rates[1] < 0.2  # ~10 rounds of memory against 4 of prior
+    assert rates[2] == pytest.approx(0.5)  # depth 3 never reached: the prior
+
+
+# -- in the engine ----------------------------------------------------------------------------
+PROMPTS = [[5, 17, 99, 3], list(range(40, 77)), [7], list(range(100, 113))]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+NUM_PAGES = 256
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_model("llama", path, num_hidden_layers=8)
+    ref = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(page_size=4, num_pages=NUM_PAGES)))
+    return str(path), [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+
+
+def engine(path, spec):
+    return LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=4, num_pages=NUM_PAGES),
+                                  scheduler=SchedulerConfig(chunked_prefill_size=8), spec=spec))
+
+
+def test_replay_full_acceptance_goes_deep_and_is_lossless(tiny):
+    path, expected = tiny
+    eng = engine(path, SpecConfig("replay", spec_num_steps=4))
+    for i, ref in enumerate(expected):
+        eng.spec_runner.proposer.references[f"offline-x-{i}"] = ref
+    ids = [f"offline-x-{i}" for i in range(len(PROMPTS))]
+    for rid, p in zip(ids, PROMPTS):
+        eng.add_request(rid, p, GREEDY)
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert [final[r].token_ids for r in ids] == expected
+    assert eng.free_pages == NUM_PAGES
+    assert all(final[r].spec_accept_length > 3.5 for r in ids)
+    assert eng.spec_runner.policy.stats.rounds_off == 0
+
+
+def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_path):
+    path, expected = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
+    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3))
+    eng.spec_runner.policy.cost.frozen = True
+    eng.spec_runner.policy.cost.draft_rows.ys = [y * 0 + 1e-3 for y in eng.spec_runner.policy.cost.draft_rows.ys]
+    extend_rows = []
+    real_extend = eng.spec_runner.proposer.extend
+    eng.spec_runner.proposer.extend = lambda exts: (extend_rows.append(sum(len(e.token_ids) for e in exts)),
+                                                    real_extend(exts))[1]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert eng.free_pages == NUM_PAGES
+    stats = eng.spec_runner.policy.stats
+    assert stats.rounds_off > 0.7 * stats.rounds, stats  # a random head accepts ~nothing
+    # the extend runs for prefill chunks and for probes (catching up), not every round
+    assert len(extend_rows) < 0.5 * stats.rounds, (len(extend_rows), stats)
+    assert not eng.spec_runner._deferred  # finished requests leave nothing behind
+
+
+def test_adaptive_eagle_tree_is_lossless(tiny, tmp_path):
+    path, expected = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=1)
+    eng = engine(path, SpecConfig("eagle", draft_model=str(tmp_path), spec_num_steps=3, spec_topk=2,
+                                  spec_num_draft_tokens=6))
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert eng.free_pages == NUM_PAGES

@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any
 
-from specpd.config import EngineConfig
+from specpd.config import SPEC_ALGORITHMS, EngineConfig
 
 logger = logging.getLogger("specpd")
 
@@ -35,7 +35,7 @@ ROLES = ("unified", "prefill", "decode", "router")  # PD roles: specpd/disagg
 _CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
             "attention_backend": ("torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
-            "speculative_algorithm": ("none", "eagle", "eagle3", "mtp", "replay"),
+            "speculative_algorithm": SPEC_ALGORITHMS,
             "quantization": ("none", "int4", "int8"),
             "draft_mode": ("both", "decode-only")}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
@@ -143,7 +143,9 @@ def serve(args: argparse.Namespace) -> int:
         transfer_backend = args.transfer_backend or default_backend()
     logger.info("loading %s", config.model)
     # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
-    engine = LLMEngine(config, with_draft=not (args.role == "prefill" and config.spec.draft_mode == "decode-only"))
+    # a model-free drafter (ngram) lives on D only
+    engine = LLMEngine(config, with_draft=not (args.role == "prefill" and (config.spec.draft_mode == "decode-only"
+                                                                          or config.spec.model_free)))
     if args.role == "prefill":
         from specpd.disagg.prefill import PrefillWorker
         engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,

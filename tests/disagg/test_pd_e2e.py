@@ -122,7 +122,7 @@ def spec_flags(eagle_dir, mode, tree) -> list[str]:
     if not mode:
         return []
     flags = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
-             "--draft-mode", mode]
+             "--draft-mode", mode, "--no-spec-adaptive"]
     return flags + (["--spec-topk", tree[0], "--spec-num-draft-tokens", tree[1]] if tree else [])
 
 
@@ -132,7 +132,7 @@ def unified_run(model_dir, eagle_dir, mode, tree) -> tuple[list[tuple[int, int]]
     from specpd.config import SpecConfig
     spec = SpecConfig()
     if mode:
-        spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, draft_mode=mode,
+        spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, draft_mode=mode, spec_adaptive=False,
                           **({"spec_topk": int(tree[0]), "spec_num_draft_tokens": int(tree[1])} if tree else {}))
     engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128), spec=spec))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -279,14 +279,15 @@ def test_smollm2_with_the_shipped_head_through_pd_matches_unified():
     text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
                                               add_generation_prompt=True)
     prompt = ckpt.tokenizer.encode(text, add_special_tokens=False)
-    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=3, draft_mode="decode-only")
+    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=3, draft_mode="decode-only",
+                      spec_adaptive=False)
     unified = LLMEngine(EngineConfig(model="default", spec=spec, cache=CacheConfig(page_size=16, num_pages=64)),
                         checkpoint=ckpt)
     want = unified.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     boot = free_port()
     args = ["--model", "default", "--page-size", "16", "--num-pages", "64", "--num-threads", "1",
             "--speculative-algorithm", "eagle3", "--draft-model", "default", "--spec-num-steps", "3",
-            "--draft-mode", "decode-only"]
+            "--draft-mode", "decode-only", "--no-spec-adaptive"]
     with servers([["--role", "prefill", "--bootstrap-port", str(boot), *args], ["--role", "decode", *args]]) as (p, d):
         with servers([["--role", "router", "--prefill", p, "--decode", d]]) as (router,):
             resp = httpx.post(router + "/v1/completions", timeout=120, json={

@@ -250,8 +250,9 @@ class DecodeWorker(DisaggWorker):
 
     def on_message(self, endpoint: str, msg, arrived_at: float) -> None:
         room = self.transfer_queue.get(getattr(msg, "room", None))
-        if room is None:
-            logger.warning("%s for unknown room %s", type(msg).__name__, getattr(msg, "room", None))
+        if room is None:  # an AbortAck after P's TransferFailed already closed the room is expected
+            level = logging.DEBUG if isinstance(msg, AbortAck) else logging.WARNING
+            logger.log(level, "%s for unknown room %s", type(msg).__name__, getattr(msg, "room", None))
             return
         if isinstance(msg, HandoffRecord):
             room.record = msg
@@ -286,12 +287,14 @@ class DecodeWorker(DisaggWorker):
         for room in list(self.transfer_queue.values()):
             owing.add(room.route.zmq_endpoint)
             if room.aborted_at is None:
+                last = self.control.load.get(room.route.zmq_endpoint)
+                load = f" (prefill server {last.load})" if last is not None else ""
                 if room.record is None and now - room.sent_at > self.prefill_timeout_s:
                     self._give_up(room, f"prefill of room {room.info.room} did not finish within "
-                                        f"{self.prefill_timeout_s:g} s", "prefill timeout")
+                                        f"{self.prefill_timeout_s:g} s{load}", "prefill timeout")
                 elif room.record_at is not None and now - room.record_at > self.transfer_timeout_s:
                     self._give_up(room, f"KV transfer of room {room.info.room} did not finish within "
-                                        f"{self.transfer_timeout_s:g} s", "transfer timeout")
+                                        f"{self.transfer_timeout_s:g} s{load}", "transfer timeout")
         self.control.owing = frozenset(owing)  # the control thread pings these
         for endpoint in owing:
             waiting = [r for r in self.transfer_queue.values() if r.route.zmq_endpoint == endpoint]

@@ -11,7 +11,8 @@
 3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them.
    When it answers, the URL is printed. A child that dies during this first start fails the command.
 4. Supervision: a child that exits, or whose health check fails for HEALTH_GRACE_S in a row (P, D: /health
-   200; the router: any answer, since its /health reports its backends), is stopped and started again with
+   200 within HEALTH_TIMEOUT_S; the router: any answer of its own app, since its /health waits on and
+   reports its backends; a loaded server answers late, never that late), is stopped and started again with
    the same command line (same ports) after a backoff (1, 2, 4 .. 30 s, reset once it stayed up STABLE_S),
    each step logged. Meanwhile the router serves through the others and fails only the requests that need
    the dead child (an HTTP error naming it). A restarted D comes back with an empty pool (P's rooms toward
@@ -31,11 +32,10 @@ import time
 import urllib.error
 import urllib.request
 
-from specpd.server.launch import healthy
-
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
 HEALTH_INTERVAL_S = 2.0
-HEALTH_GRACE_S = 30.0  # a busy server may answer /health late; this long failing in a row is a hung one
+HEALTH_TIMEOUT_S = 10.0  # a P or D busy with a burst on a shared box answered /health in > 5 s (pd_load)
+HEALTH_GRACE_S = 60.0  # failing this long in a row is a hung server, not a busy one
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0  # up this long: the next crash restarts after the shortest backoff again
 MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
@@ -107,10 +107,19 @@ def _url(cmd: list[str]) -> str:
     return f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
 
 
-def _answers(base: str) -> bool:
-    """The router is up if it answers at all: its /health is 503 while one of its backends is down."""
+def _healthy(base: str) -> bool:
     try:
-        with urllib.request.urlopen(base + "/health", timeout=5):
+        with urllib.request.urlopen(base + "/health", timeout=HEALTH_TIMEOUT_S) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _answers(base: str) -> bool:
+    """The router is up if its own app answers (a 404 for a path it does not route): its /health asks every
+    backend and is 503 while one is down."""
+    try:
+        with urllib.request.urlopen(base + "/specpd-supervisor-ping", timeout=HEALTH_TIMEOUT_S):
             return True
     except urllib.error.HTTPError:
         return True
@@ -144,7 +153,7 @@ class _Child:
         self.started_at, self.up, self.failing_since, self.restart_at = time.monotonic(), False, None, None
 
     def healthy(self) -> bool:
-        return _answers(self.url) if self.role == "router" else healthy(self.url)
+        return _answers(self.url) if self.role == "router" else _healthy(self.url)
 
     def supervise(self, now: float) -> None:
         if self.restart_at is not None:

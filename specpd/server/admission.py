@@ -16,6 +16,7 @@ import hmac
 import ipaddress
 import json
 import logging
+from typing import Callable
 
 from specpd.server.responses import error_body
 
@@ -69,17 +70,21 @@ class _TooLarge(Exception):
 class Admission:
     """ASGI middleware: API key, then the body-size limit, then the app with the buffered body."""
 
-    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None):
+    def __init__(self, app, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
+                 on_refused: Callable[[str], None] | None = None):
+        """on_refused(reason): called with "api_key" (401) or "body" (413), e.g. to count it."""
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         self.app = app
         self.max_request_bytes = max_request_bytes
         self.api_key = api_key or None
+        self.on_refused = on_refused or (lambda reason: None)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            self.on_refused("api_key")
             return await _reply(send, 401, error_body("invalid or missing API key: send 'Authorization: "
                                                       "Bearer <key>'", None, 401, "authentication_error"),
                                 {"www-authenticate": "Bearer"})
@@ -122,6 +127,7 @@ class Admission:
                 return b"".join(chunks), None
 
     async def _refuse(self, send, declared: int | None) -> None:
+        self.on_refused("body")
         size = f"{declared} bytes" if declared is not None else "more than that"
         await _reply(send, 413, error_body(f"request body too large: {size}; this server accepts at most "
                                            f"{self.max_request_bytes} bytes (--max-request-bytes)", "body", 413))

@@ -63,7 +63,8 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
                 engine.close()
 
     app = FastAPI(title="specpd", lifespan=lifespan)
-    app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key)
+    app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key,
+                       on_refused=metrics.observe_rejected)
     app.state.engine = async_engine
     server = _Handlers(engine, async_engine, metrics, role)
 

@@ -66,7 +66,8 @@ class ServerMetrics:
             "specpd:requests_finished", "Finished requests by finish reason (stop, length, abort).",
             ["model_name", "finish_reason"], registry=r)
         self.requests_rejected = Counter(
-            "specpd:requests_rejected", "Requests refused with HTTP 400, by offending field.",
+            "specpd:requests_rejected", "Requests refused before the engine, by offending field (400), or "
+            "'body' (413), 'api_key' (401), 'queue' (503).",
             ["model_name", "param"], registry=r)
         self.prompt_tokens = Counter(
             "specpd:prompt_tokens", "Prompt tokens of admitted requests.", ["model_name"], registry=r).labels(**labels)

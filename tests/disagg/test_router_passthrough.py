@@ -177,3 +177,13 @@ def test_server_info_lists_backend_objects_as_sglang_reads_them(cluster):
     from tests.server.test_server_info import sglang_accept_length
     assert sglang_accept_length(router) == 2.5
     assert json.dumps(info)  # plain JSON all the way down
+
+
+def test_an_open_host_without_a_key_is_warned_about(cluster):
+    p, d, _ = cluster
+    with launch_servers([["--role", "router", "--prefill", p.url, "--decode", d.url, "--host", "0.0.0.0"]]) as [
+            (_, router, log)]:
+        assert httpx.post(router + "/v1/completions", json=BODY).status_code == 200  # open, as warned
+        with open(log) as f:
+            text = f.read()
+    assert "binds 0.0.0.0 with no API key" in text, text[-2000:]

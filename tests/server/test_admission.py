@@ -140,3 +140,18 @@ def test_full_queue_is_503_with_retry_after(client):
             resp = waiting.result(timeout=60)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8, resp.text
     assert client.post("/v1/completions", json=NORMAL).status_code == 200
+
+
+def _rejected(client, param: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("specpd:requests_rejected_total{") and f'param="{param}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_refusals_at_the_door_are_counted(server, client):
+    before = {p: _rejected(client, p) for p in ("body", "api_key")}
+    assert httpx.post(server["base"] + "/v1/completions", json=NORMAL).status_code == 401
+    assert client.post("/v1/completions", content=b"x" * (8 * 1024 * 1024 + 1)).status_code == 413
+    assert _rejected(client, "api_key") == before["api_key"] + 1
+    assert _rejected(client, "body") == before["body"] + 1

@@ -18,6 +18,7 @@ SGLang's `internal_states: [{"avg_spec_accept_length": tau}]` for its benchmark 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -201,7 +202,7 @@ class _Handlers:
     async def _bootstrap(self, raw: Request, request_id: str) -> None:
         """PD roles: read the router's bootstrap fields; D also finds P and checks its config (400 on mismatch)."""
         from specpd.disagg.worker import BootstrapInfo
-        info = BootstrapInfo.from_body(await raw.json())
+        info = BootstrapInfo.from_body(await asyncio.to_thread(json.loads, await raw.body()))  # off the loop
         if self.role == "decode":
             await asyncio.to_thread(self.engine.bootstrap, request_id, info)
         else:

@@ -1,0 +1,72 @@
+"""Pick the default draft shapes (specpd.config.DEFAULT_SHAPES) on TRAINING-split prompts only
+(`python evals/tune_spec_defaults.py` -> evals/results/spec_tuning.json).
+
+For EAGLE-3 and MTP (chat workload) and ngram (grounded workload), batch 1, adaptive on: every
+candidate shape runs interleaved with non-spec, rep by rep; the shape with the best median ratio is the
+default. The reported numbers (evals/spec_workloads.py) use the held-out split, never these prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
+from common import log, machine_info, median, versions, write_json  # noqa: E402
+from spec_workloads import WORKLOADS, timed_run  # noqa: E402
+
+import torch  # noqa: E402
+
+from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
+from specpd.core import SamplingParams  # noqa: E402
+from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+
+SHAPES = {  # (steps, topk, tokens)
+    "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 2, 6), (3, 4, 8), (4, 4, 12)],
+    "mtp": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 4, 8)],
+    "ngram": [(4, 1, 5), (8, 1, 9), (12, 1, 13), (6, 2, 12), (8, 3, 16)],
+}
+WORKLOAD = {"eagle3": "chat", "mtp": "chat", "ngram": "grounded"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--algorithms", nargs="+", default=["eagle3", "ngram"])
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "spec_tuning.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from specpd.model.loader import load_checkpoint
+    ckpt = load_checkpoint("default")
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
+    out = {"meta": {"machine": machine_info(), "versions": versions(), "args": vars(args), "split": "train"}}
+    for alg in args.algorithms:
+        prompts = WORKLOADS[WORKLOAD[alg]](ckpt.tokenizer, args.num_prompts, "train")
+        engines = {"non_spec": LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=512)), checkpoint=ckpt)}
+        for s, k, t in SHAPES[alg]:
+            spec = SpecConfig(alg, draft_model=None if alg == "ngram" else "default", spec_num_steps=s, spec_topk=k,
+                              spec_num_draft_tokens=t)
+            engines[f"S{s}_K{k}_T{t}"] = LLMEngine(EngineConfig(model="default", spec=spec,
+                                                                cache=CacheConfig(num_pages=512)), checkpoint=ckpt)
+        ratios = {n: [] for n in engines if n != "non_spec"}
+        for rep in range(args.reps):
+            for i, prompt in enumerate(prompts):
+                names = list(engines)
+                names = names[(rep + i) % len(names):] + names[:(rep + i) % len(names)]
+                res = {n: timed_run(engines[n], [prompt], params, f"tune-{alg}-{rep}-{i}-{n}") for n in names}
+                for n in ratios:
+                    assert res[n]["tokens"] == res["non_spec"]["tokens"], n
+                    ratios[n].append(res[n]["decode_tok_s"] / res["non_spec"]["decode_tok_s"])
+            log(alg, rep, {n: round(median(r), 2) for n, r in ratios.items()})
+        summary = {n: {"vs_non_spec": median(r), "spread": [min(r), max(r)]} for n, r in ratios.items()}
+        best = max(summary, key=lambda n: summary[n]["vs_non_spec"])
+        out[alg] = {"workload": WORKLOAD[alg], "shapes": summary, "best": best}
+        log(alg, "best", best, summary[best])
+        write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -79,7 +79,17 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "free_pages": self.free_pages, "total_pages": self.total_pages,
                 "page_size": self.runner.kv_pool.page_size, **self.counters,
-                **(self.spec_stats.as_dict() if self.config.spec.enabled else {})}
+                **(self.spec_stats.as_dict() if self.config.spec.enabled else {}), **self._policy_stats()}
+
+    def _policy_stats(self) -> dict:
+        policy = self.spec_runner.policy if self.spec_runner is not None else None
+        if policy is None:
+            return {}
+        st = policy.stats
+        hist = [st.proposed_hist.get(n, 0) for n in range(max(st.proposed_hist, default=0) + 1)]
+        return {"spec_rounds": st.rounds, "spec_rounds_off": st.rounds_off,
+                "spec_rounds_off_share": st.rounds_off / st.rounds if st.rounds else None,
+                "spec_draft_tokens_hist": hist}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Request:

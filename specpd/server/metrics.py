@@ -55,6 +55,27 @@ class _SpecCollector:
         verify = CounterMetricFamily("specpd:spec_verify", "Verify forwards.", labels=["model_name"])
         verify.add_metric([self._model], st.get("spec_verify_count", 0))
         yield verify
+        proposed = st.get("spec_draft_tokens_hist")  # adaptive speculation: what the policy chose
+        if proposed is not None:
+            buckets, total, tokens = [], 0, 0
+            for n, count in enumerate(proposed):
+                total += count
+                tokens += n * count
+                buckets.append((str(float(n)), total))
+            buckets.append(("+Inf", total))
+            h = HistogramMetricFamily("specpd:spec_draft_tokens_per_round",
+                                      "Draft tokens proposed per request per round (0 = speculation off).",
+                                      labels=["model_name"])
+            h.add_metric([self._model], buckets, tokens)
+            yield h
+            off = CounterMetricFamily("specpd:spec_rounds_off", "Request rounds the adaptive policy ran as a plain "
+                                      "decode step.", labels=["model_name"])
+            off.add_metric([self._model], st.get("spec_rounds_off", 0))
+            yield off
+            rounds = CounterMetricFamily("specpd:spec_rounds", "Request rounds planned by the adaptive policy.",
+                                         labels=["model_name"])
+            rounds.add_metric([self._model], st.get("spec_rounds", 0))
+            yield rounds
 
 
 class ServerMetrics:

@@ -49,8 +49,11 @@ def test_metrics_and_server_info_export_acceptance(server):
     metrics = client.get("/metrics").text
     assert "specpd:spec_accept_length_bucket" in metrics
     assert "specpd:spec_accepted_tokens_per_position" in metrics
+    assert "specpd:spec_draft_tokens_per_round_bucket" in metrics  # adaptive speculation (on by default)
+    assert "specpd:spec_rounds_off_total" in metrics
     info = client.get("/server_info").json()
     assert info["spec_verify_count"] >= 1
+    assert info["spec_rounds"] >= info["spec_verify_count"] and sum(info["spec_draft_tokens_hist"]) == info["spec_rounds"]
     assert info["free_pages"] == info["total_pages"]
 
 

@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 API_KEY_ENV = "SPECPD_API_KEY"
-# After refusing a body, read (and drop) at most this much more of it so the client, still uploading,
-# gets to read the 413 instead of a connection reset; past this the connection is just closed.
+# A refused request's body is still read (and dropped) up to this much before the response ends and the
+# connection closes: closing a socket with unread data sends a reset, and a client still uploading (httpx
+# reads nothing until its body is sent) then gets a connection error instead of the 413 / 401.
 _DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 _OPEN_PATHS = ("/health", "/metrics", "/server_info", "/get_server_info")
 
@@ -85,20 +86,18 @@ class Admission:
             return await self.app(scope, receive, send)
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
             self.on_refused("api_key")
-            return await _reply(send, 401, error_body("invalid or missing API key: send 'Authorization: "
-                                                      "Bearer <key>'", None, 401, "authentication_error"),
-                                {"www-authenticate": "Bearer"})
+            return await _reply(send, receive, 401, error_body("invalid or missing API key: send 'Authorization: "
+                                                               "Bearer <key>'", None, 401, "authentication_error"),
+                                {"www-authenticate": "Bearer"}, drain_bytes=_DRAIN_LIMIT_BYTES)
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         declared = _content_length(scope)
         if declared is not None and declared > self.max_request_bytes:
-            await self._refuse(send, declared)
-            return await _drain(receive, _DRAIN_LIMIT_BYTES)
+            return await self._refuse(send, receive, declared)
         try:
             body, tail = await self._read_body(receive)
         except _TooLarge:
-            await self._refuse(send, None)
-            return await _drain(receive, _DRAIN_LIMIT_BYTES)
+            return await self._refuse(send, receive, None)
         if tail is not None:  # the client left mid-upload
             return
         return await self.app(scope, _replay(body, receive), send)
@@ -126,11 +125,12 @@ class Admission:
             if not message.get("more_body", False):
                 return b"".join(chunks), None
 
-    async def _refuse(self, send, declared: int | None) -> None:
+    async def _refuse(self, send, receive, declared: int | None) -> None:
         self.on_refused("body")
         size = f"{declared} bytes" if declared is not None else "more than that"
-        await _reply(send, 413, error_body(f"request body too large: {size}; this server accepts at most "
-                                           f"{self.max_request_bytes} bytes (--max-request-bytes)", "body", 413))
+        await _reply(send, receive, 413, error_body(f"request body too large: {size}; this server accepts at most "
+                                                    f"{self.max_request_bytes} bytes (--max-request-bytes)",
+                                                    "body", 413), drain_bytes=_DRAIN_LIMIT_BYTES)
 
 
 def _content_length(scope) -> int | None:
@@ -143,22 +143,24 @@ def _content_length(scope) -> int | None:
     return None
 
 
-async def _reply(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+async def _reply(send, receive, status: int, body: dict, headers: dict[str, str] | None = None,
+                 drain_bytes: int = 0) -> None:
+    """Send a refusal before the request body is (all) read: the whole answer goes out at once, for clients
+    that read while they upload, but the response ends only after up to `drain_bytes` more of the body has
+    been read and dropped (the server stops reading the request once its response is complete)."""
     payload = json.dumps(body).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                    (b"connection", b"close")]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
-async def _drain(receive, limit: int) -> None:
+    await send({"type": "http.response.body", "body": payload, "more_body": True})
     read = 0
-    while read <= limit:
+    while read <= drain_bytes:
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
-            return
+            break
         read += len(message.get("body", b""))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _replay(body: bytes, receive):

@@ -41,6 +41,7 @@ from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter
 
 logger = logging.getLogger(__name__)
 
+ROUTER_FIELDS_BYTES = 1024  # room for bootstrap_host / _port / _room: a body the router took is not P's 413
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client hung up first"; nobody reads it
 
 
@@ -64,6 +65,8 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
                 engine.close()
 
     app = FastAPI(title="specpd", lifespan=lifespan)
+    if role in ("prefill", "decode"):  # the router re-encodes compactly (no \u escapes) and adds its fields
+        max_request_bytes += ROUTER_FIELDS_BYTES
     app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key,
                        on_refused=metrics.observe_rejected)
     app.state.engine = async_engine

@@ -119,3 +119,15 @@ def test_router_server_info_lists_servers_with_their_acceptance(cluster):
         assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(tau)
         assert info["free_pages"] == info["total_pages"]
     assert sglang_accept_length(router) == pytest.approx(tau) and tau >= 1.0
+
+
+def test_a_body_at_the_routers_limit_is_not_refused_by_p_or_d(cluster):
+    """The router adds its bootstrap fields (~90 bytes) to a body it accepted: P and D leave room for them."""
+    p_url, d_url, router = cluster
+    head = b'{"prompt":[5,17,99],"max_tokens":4,"temperature":0,"pad":"'
+    body = head + b" " * (8 * 1024 * 1024 - len(head) - 2) + b'"}'
+    assert len(body) == 8 * 1024 * 1024
+    resp = httpx.post(router + "/v1/completions", content=body, timeout=120,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text[:300]
+    _pages_back(p_url, d_url)

@@ -155,3 +155,19 @@ def test_refusals_at_the_door_are_counted(server, client):
     assert client.post("/v1/completions", content=b"x" * (8 * 1024 * 1024 + 1)).status_code == 413
     assert _rejected(client, "api_key") == before["api_key"] + 1
     assert _rejected(client, "body") == before["body"] + 1
+
+
+def test_a_refused_upload_still_reads_its_answer(server, client):
+    """The server reads (and drops) the rest of a refused body before it closes: closing on unread data
+    resets the connection, and an uploading asyncio client then gets a ReadError instead of the 413 / 401."""
+    import asyncio
+
+    async def post(headers):
+        async with httpx.AsyncClient(timeout=60) as c:
+            resp = await c.post(server["base"] + "/v1/completions", content=b"a" * 20_000_000,
+                                headers={"Content-Type": "application/json", **headers})
+            return resp.status_code
+
+    async def both():
+        return await asyncio.gather(*(post(AUTH) for _ in range(3)), post({}))
+    assert asyncio.run(both()) == [413, 413, 413, 401]

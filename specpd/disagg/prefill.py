@@ -19,7 +19,8 @@ A room is unique on P: a second request or a second D's DecodeRegister for a roo
 (HTTP 400 / TransferFailed to that D) and the first owner goes on. A room no D claims within
 `bootstrap_timeout_s` fails.
 Control thread (`PrefillControl`, worker.py): it owns the ROUTER socket and answers D's heartbeats at once
-with P's load ("busy with N rooms queued"), however long the engine's step; it refuses a DecodeRegister
+with P's load ("busy with N rooms queued"), however long the engine's step (and not at all once the engine
+thread died); it refuses a DecodeRegister
 with a mismatched config or for a room another D owns (it tracks each room's owner until the engine thread
 sends the room's last message); everything else waits for the engine thread in its inbox.
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
@@ -76,6 +77,8 @@ class PrefillControl(ControlThread):
     def _on_peer(self, sock, identity: bytes, msg, arrived_at: float) -> None:
         if isinstance(msg, Heartbeat):
             w = self.worker
+            if w.engine_failed:  # alive process, dead engine: D must see a dead P
+                return
             started = w.step_started
             reply = Heartbeat(self.endpoint, msg.seq, time.time(), rooms_queued=w.rooms_queued(),
                               rooms_inflight=len(w.inflight),

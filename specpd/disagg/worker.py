@@ -216,6 +216,7 @@ class DisaggWorker:
         self.ctx = zmq.Context.instance()
         self.control: ControlThread | None = None  # the subclass builds and starts it
         self.step_started: float | None = None  # monotonic start of the engine step running now (for load)
+        self.engine_failed = False  # step() raised: the engine thread is gone (busy is not dead; this is)
         self._expected: dict[str, BootstrapInfo] = {}  # request id -> room; written by the loop thread
         self._lock = threading.Lock()
         self._outputs: list[RequestOutput] = []  # produced by the disagg stages, returned by the next step
@@ -255,6 +256,13 @@ class DisaggWorker:
         return self.engine.has_unfinished_requests() or self.disagg_busy() or bool(self._outputs)
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except BaseException:  # the engine thread dies with this: P's control thread falls silent
+            self.engine_failed = True
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         engine_busy = self.engine.has_unfinished_requests()
         for peer, msg, arrived_at in self.control.take(0.0 if engine_busy else IDLE_POLL_S):
             self.on_message(peer, msg, arrived_at)

@@ -1,10 +1,12 @@
 """The control plane never waits on the engine (DESIGN.md §6): a P whose engine step outlasts the heartbeat
 timeout, holding the GIL in pure Python the whole time, still answers heartbeats within milliseconds and
 says it is busy; no room is failed and the request completes. D's own long step is not P's silence."""
+import concurrent.futures
 import queue
 import threading
 import time
 
+import httpx
 import pytest
 import zmq
 
@@ -44,7 +46,7 @@ class Driver:
     """Steps a worker in its own thread, as AsyncEngine's engine thread does; `call` runs on that thread."""
 
     def __init__(self, worker):
-        self.worker, self.outputs, self._stop = worker, [], threading.Event()
+        self.worker, self.outputs, self._stop, self.error = worker, [], threading.Event(), None
         self._calls = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -56,7 +58,11 @@ class Driver:
         while not self._stop.is_set():
             while not self._calls.empty():
                 self._calls.get()()
-            self.outputs += self.worker.step()
+            try:
+                self.outputs += self.worker.step()
+            except RuntimeError as e:  # the engine thread dies, as AsyncEngine's would
+                self.error = e
+                return
             if not self.worker.has_unfinished_requests():
                 time.sleep(0.001)
 
@@ -170,3 +176,57 @@ def test_a_long_decode_step_is_not_prefill_silence(model_dir):
     finally:
         p.close()
         d.close()
+
+
+def test_a_prefill_whose_engine_died_falls_silent(model_dir):
+    """Busy is not dead, but a dead engine thread is: P's control thread stops answering, D fails the room
+    by the heartbeat rule and frees its pages after the abort timeout (P's process is still there)."""
+    p, d = make_workers(model_dir, heartbeat_timeout_s=0.5, abort_timeout_s=0.5)
+
+    def broken():
+        raise RuntimeError("engine bug")
+
+    p.engine.step = broken
+    drivers = [Driver(p), Driver(d)]
+    try:
+        start_room(drivers, 51, PROMPTS[1], "0")
+        wait_for(lambda: drivers[1].finished("d0"), 20, "D never gave up on the room")
+        assert "engine bug" in str(drivers[0].error)
+        out = drivers[1].finished("d0")
+        assert out.finish_reason == "abort" and "is not answering: no heartbeat" in out.error, out.error
+        wait_for(lambda: d.free_pages == 64, 10, "D kept the room's pages")
+    finally:
+        for drv in drivers:
+            drv.stop()
+        p.close()
+        d.close()
+
+
+def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_nothing():
+    """Real P and D processes on the default model, a heartbeat timeout of 0.3 s and a batch of 1,500-token
+    prompts whose prefill steps take seconds: every request completes, D saw P busy, pages come back."""
+    from specpd.model.loader import load_checkpoint
+    from specpd.server.launch import free_port
+    from tests.disagg.test_pd_e2e import servers, wait_free_pages
+    ckpt = load_checkpoint("default")
+    text = " ".join(f"Item {i} of the inventory is a {['red', 'green', 'blue'][i % 3]} box." for i in range(200))
+    prompt = ckpt.tokenizer.encode(text, add_special_tokens=False)[:1500]
+    boot = free_port()
+    args = ["--model", "default", "--num-threads", "1", "--transfer-backend", "tcp"]
+    specs = [["--role", "prefill", "--bootstrap-port", str(boot), *args],
+             ["--role", "decode", "--pd-heartbeat-timeout", "0.3", *args]]
+    with servers(specs) as (p_url, d_url):
+        with servers([["--role", "router", "--prefill", p_url, "--decode", d_url]]) as (router,):
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                t0 = time.monotonic()
+                resps = list(pool.map(lambda i: httpx.post(router + "/v1/completions", json=body, timeout=300),
+                                      range(3)))
+                elapsed = time.monotonic() - t0
+            assert [r.status_code for r in resps] == [200] * 3, [r.text for r in resps]
+            assert elapsed > 0.6  # the prefills took longer than two heartbeat timeouts
+            d_info = httpx.get(d_url + "/server_info").json()
+            assert d_info["pd_heartbeat_rtt_ms"]["count"] > 0 and d_info["pd_heartbeat_rtt_ms"]["p99"] < 300
+            for base in (p_url, d_url):
+                info = wait_free_pages(base)
+                assert info["free_pages"] == info["total_pages"], (base, info)

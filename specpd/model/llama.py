@@ -15,6 +15,7 @@ from torch import nn
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import ModelConfig
+from specpd.kernels import cpu_gemm
 
 
 class RMSNorm(nn.Module):
@@ -84,20 +85,47 @@ class MatmulLinear(nn.Module):
 
     On CPU, MKL runs the few-row GEMMs of decode and speculative verify markedly faster on this layout
     than F.linear's [out, in] (evals/results/spec.json linear_microbench: a SmolLM2 forward over 5 rows
-    35 ms vs 51 ms, 8 rows 39 vs 72). `weight` stays readable as the usual [out, in] view."""
+    35 ms vs 51 ms, 8 rows 39 vs 72). `weight` stays readable as the usual [out, in] view.
+    fp32: also a copy packed for specpd.kernels.cpu_gemm (one more copy of the weight), which 2..64
+    rows (verify, batched decode) take: they then cost what 1 row costs, the weight read."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
+        self.weight_packed = packed_copy(self.weight_t)  # [panels, in, 16] (cpu_gemm.pack_weight) or None
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x @ self.weight_t
+        out = cpu_gemm.few_row_matmul(x, self.weight_t, self.weight_packed)
         return out if self.bias is None else out + self.bias
+
+
+def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x); a plain nn.Linear (draft layers keep that layout) goes through cpu_gemm.linear."""
+    if type(layer) is nn.Linear:
+        return cpu_gemm.linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
+def head_logits(x: torch.Tensor, head: nn.Linear | None, target: "CausalLM | None") -> torch.Tensor:
+    """A draft's logits [T, rows] fp32: its own head, or (head None) the target's, through the target's
+    transposed / packed copies when it has them (what F.linear(x, target.lm_head_weight) computes)."""
+    if head is not None:
+        return cpu_gemm.linear(x, head.weight).float()
+    if target.head_t is not None:
+        return cpu_gemm.few_row_matmul(x, target.head_t, target.head_packed).float()
+    return cpu_gemm.linear(x, target.lm_head_weight).float()
+
+
+def packed_copy(weight_t: torch.Tensor) -> torch.Tensor | None:
+    """The cpu_gemm panel layout of an [in, out] fp32 CPU weight, where the kernel runs; else None."""
+    if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or not cpu_gemm.available():
+        return None
+    return cpu_gemm.pack_weight(weight_t.detach())
 
 
 class Attention(nn.Module):
@@ -112,7 +140,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 * Hkv, D]
+        qkv = apply_linear(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 * Hkv, D]
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is None:
             qk = qkv[:, :q_heads + kv_heads]
@@ -121,7 +149,7 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, *rope).split([q_heads, kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
         out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return apply_linear(self.o_proj, out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -132,8 +160,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = apply_linear(self.gate_up_proj, x).split(self.intermediate, dim=-1)
+        return apply_linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -163,6 +191,7 @@ class CausalLM(nn.Module):
         # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
         self.quantized_head: nn.Module | None = None
         self.head_t: torch.Tensor | None = None  # [H, vocab] copy of the head (transpose_linears)
+        self.head_packed: torch.Tensor | None = None  # head_t in cpu_gemm panels (fp32 CPU)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -186,7 +215,7 @@ class CausalLM(nn.Module):
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()  # [rows, vocab]
         if self.head_t is not None:
-            return (hidden @ self.head_t).float()
+            return cpu_gemm.few_row_matmul(hidden, self.head_t, self.head_packed).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
@@ -200,6 +229,7 @@ class CausalLM(nn.Module):
                     setattr(module, name, MatmulLinear(child))
         if self.quantized_head is None:
             self.head_t = self.lm_head_weight.detach().t().contiguous()
+            self.head_packed = packed_copy(self.head_t)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

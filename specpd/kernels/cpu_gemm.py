@@ -1,0 +1,202 @@
+"""Few-row fp32 GEMM for CPU: y [M, N] = x [M, K] @ W, for the 2..MAX_ROWS rows of verify and batched decode.
+
+Why: a forward over M = 2..16 rows should cost what reading the weights costs, as M = 1 does. MKL's
+sgemm does not get there: on SmolLM2-135M (1 thread, AVX-512) a T = 8 row verify spent 1.6x the
+decode forward's time in matmuls (evals/results/profile_forward.json "before"): its small-M path packs
+the weight on every call. This kernel reads a weight packed once at load time into column panels
+`[N / 16, K, 16]` (one zmm wide), four panels at a time from four places in the weight (four
+sequential streams, each prefetched 2 KiB ahead: one stream alone left ~15% of the bandwidth unused),
+and keeps every row's accumulators of those panels in registers (row blocks of 8), so the weight
+streams from memory once whatever M is (for 9..64 rows the panels are re-read from L2). M = 1 stays
+on MKL's gemv, which streams [K, N] as fast.
+
+The reference is `x @ w_t` (matmul_ref); results are allclose, not bit-identical (the sum order over
+K differs from MKL's). The kernel is C with AVX-512 intrinsics, compiled on first use with the system
+C compiler into $SPECPD_CACHE (default ~/.cache/specpd)/kernels/ and called through ctypes (which
+releases the GIL). It is single-threaded: `few_row_matmul` takes it only when torch runs one thread
+(the CPU serving setting, --num-threads 1); without a compiler, without AVX-512, or with
+SPECPD_CPU_GEMM=0 everything falls back to torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+PANEL = 16  # columns per packed panel (one zmm)
+STREAMS = 4  # panels the kernel reads at once; the panel count is padded to a multiple of it
+MAX_ROWS = 64  # up to here it beats MKL (b8 verify T=8 is 64 rows); longer prefill chunks go to MKL
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#define PW 16       /* columns per panel: one zmm */
+#define NS 4        /* panels streamed together, from 4 places in the weight */
+#define PFD 512     /* floats ahead to prefetch in each stream: 2 KiB */
+#define DEF_BLOCK(R) \
+static void block_##R(const float* restrict x, int64_t ldx, const float* const* w, int64_t K, \
+                      float* const* y, int64_t ldy, const __mmask16* mask) { \
+  __m512 a[NS][R]; \
+  _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++) \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a[s][r] = _mm512_setzero_ps(); \
+  const float* w0 = w[0]; const float* w1 = w[1]; const float* w2 = w[2]; const float* w3 = w[3]; \
+  for (int64_t k = 0; k < K; k++) { \
+    _mm_prefetch((const char*)(w0 + k * PW + PFD), _MM_HINT_T0); \
+    _mm_prefetch((const char*)(w1 + k * PW + PFD), _MM_HINT_T0); \
+    _mm_prefetch((const char*)(w2 + k * PW + PFD), _MM_HINT_T0); \
+    _mm_prefetch((const char*)(w3 + k * PW + PFD), _MM_HINT_T0); \
+    __m512 v0 = _mm512_loadu_ps(w0 + k * PW), v1 = _mm512_loadu_ps(w1 + k * PW); \
+    __m512 v2 = _mm512_loadu_ps(w2 + k * PW), v3 = _mm512_loadu_ps(w3 + k * PW); \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { \
+      __m512 b = _mm512_set1_ps(x[r * ldx + k]); \
+      a[0][r] = _mm512_fmadd_ps(b, v0, a[0][r]); a[1][r] = _mm512_fmadd_ps(b, v1, a[1][r]); \
+      a[2][r] = _mm512_fmadd_ps(b, v2, a[2][r]); a[3][r] = _mm512_fmadd_ps(b, v3, a[3][r]); } \
+  } \
+  _Pragma("GCC unroll 4") for (int s = 0; s < NS; s++) \
+    if (mask[s]) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y[s] + r * ldy, mask[s], a[s][r]); \
+}
+DEF_BLOCK(1) DEF_BLOCK(2) DEF_BLOCK(3) DEF_BLOCK(4) DEF_BLOCK(5) DEF_BLOCK(6) DEF_BLOCK(7) DEF_BLOCK(8)
+typedef void (*block_fn)(const float*, int64_t, const float* const*, int64_t, float* const*, int64_t, const __mmask16*);
+static const block_fn BLOCKS[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
+
+/* x [M, K] row-major; wp [np, K, 16] with np a multiple of 4 (columns past N zero); y [M, N] row-major.
+   Stream s of step p reads panel p + s * np / 4, so four sequential streams run at once. */
+void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y) {
+  int64_t per = (N + PW * NS - 1) / (PW * NS);
+  for (int64_t p = 0; p < per; p++) {
+    const float* w[NS];
+    __mmask16 mask[NS];
+    int64_t col[NS];
+    for (int s = 0; s < NS; s++) {
+      int64_t q = p + s * per;
+      int64_t valid = N - q * PW;
+      w[s] = wp + q * K * PW;
+      col[s] = q * PW;
+      mask[s] = valid >= PW ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      int64_t r = M - m0 < 8 ? M - m0 : 8;
+      float* ys[NS];
+      for (int s = 0; s < NS; s++) ys[s] = y + m0 * N + (mask[s] ? col[s] : 0);
+      BLOCKS[r](x + m0 * K, K, w, K, ys, N, mask);
+    }
+  }
+}
+"""
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
+    return os.path.join(root, "kernels")
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512f" in flags.split()
+
+
+@functools.cache
+def _kernel():
+    """The compiled specpd_gemm_packed, or None where it cannot be built or run."""
+    if os.environ.get("SPECPD_CPU_GEMM", "1") == "0" or not _cpu_has_avx512():
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    path = os.path.join(_cache_dir(), f"cpu_gemm-{digest}.so")
+    if not os.path.isfile(path):
+        try:
+            os.makedirs(_cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+                src, out = os.path.join(tmp, "cpu_gemm.c"), os.path.join(tmp, "cpu_gemm.so")
+                with open(src, "w", encoding="utf-8") as f:
+                    f.write(_SOURCE)
+                subprocess.run([cc, "-O3", "-mavx512f", "-mfma", "-shared", "-fPIC", "-o", out, src],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(out, path)  # atomic: concurrent builders see the whole file or none
+        except (OSError, subprocess.SubprocessError):
+            return None
+    fn = ctypes.CDLL(path).specpd_gemm_packed
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p]
+    fn.restype = None
+    return fn
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def pack_weight(weight_t: torch.Tensor) -> torch.Tensor:
+    """[K, N] (the [in, out] weight) -> panels [P, K, 16] fp32, P = ceil(N / 64) * 4, zero-padded columns."""
+    k, n = weight_t.shape
+    panels = -(-n // (PANEL * STREAMS)) * STREAMS
+    padded = weight_t.new_zeros(k, panels * PANEL, dtype=torch.float32)
+    padded[:, :n] = weight_t
+    return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] fp32 (any M) @ the packed weight -> [M, n]. Needs available()."""
+    x = x.contiguous()
+    m, k = x.shape
+    if packed.shape[1] != k or packed.shape[0] * PANEL < n or x.dtype != torch.float32:
+        raise ValueError(f"packed_matmul: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} for n={n}")
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    _kernel()(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
+    return y
+
+
+def matmul_ref(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """The torch reference: x [M, K] @ weight_t [K, N]."""
+    return x @ weight_t
+
+
+def use_packed(x: torch.Tensor) -> bool:
+    """Whether few_row_matmul / linear take the kernel for this input (it has no backward: never under autograd)."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() == 1)
+
+
+def few_row_matmul(x: torch.Tensor, weight_t: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight_t [K, N]: the packed kernel for 2..MAX_ROWS fp32 rows, else torch."""
+    if packed is not None and use_packed(x):
+        return packed_matmul(x, packed, weight_t.shape[1])
+    return x @ weight_t
+
+
+# id(weight [out, in]) -> (weakref to it, data_ptr, version, packed): the draft models' nn.Linear
+# weights, packed on first use; an entry goes when its weight is freed (tensors cannot be weak keys:
+# their == is elementwise)
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight [out, in], bias), through the kernel for 2..MAX_ROWS fp32 rows.
+
+    For modules that keep nn.Linear's layout (the draft heads and layers). The packed copy is cached
+    per weight tensor and rebuilt when the weight's storage or version changes (an in-place update)."""
+    if weight.dtype != torch.float32 or not use_packed(x) or not available():
+        return F.linear(x, weight, bias)
+    key = id(weight)
+    entry = _PACKED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1:3] != (weight.data_ptr(), weight._version):
+        if entry is None or entry[0]() is not weight:
+            weakref.finalize(weight, _PACKED.pop, key, None)
+        entry = (weakref.ref(weight), weight.data_ptr(), weight._version, pack_weight(weight.detach().t()))
+        _PACKED[key] = entry
+    out = packed_matmul(x, entry[3], weight.shape[0])
+    return out if bias is None else out + bias

@@ -1,0 +1,93 @@
+"""The few-row CPU GEMM (specpd.kernels.cpu_gemm) against its torch reference, and the model pieces
+that route through it (MatmulLinear, the draft layers' nn.Linear, the LM heads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpd.kernels import cpu_gemm
+from specpd.model.llama import MatmulLinear, apply_linear
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler or no AVX-512 on this CPU")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(576, 960), (1152, 960), (64, 16), (64, 80), (33, 200), (7, 5), (576, 8192)])
+def test_packed_matmul_matches_reference(k, n):
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    weight_t = torch.randn(k, n, generator=gen)
+    packed = cpu_gemm.pack_weight(weight_t)
+    for m in (1, 2, 3, 7, 8, 9, 16, 17, 64):
+        x = torch.randn(m, k, generator=gen)
+        torch.testing.assert_close(cpu_gemm.packed_matmul(x, packed, n), cpu_gemm.matmul_ref(x, weight_t),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_packed_matmul_non_contiguous_input():
+    gen = torch.Generator().manual_seed(0)
+    weight_t = torch.randn(40, 70, generator=gen)
+    x = torch.randn(40, 6, generator=gen).t()  # [6, 40], strided
+    torch.testing.assert_close(cpu_gemm.packed_matmul(x, cpu_gemm.pack_weight(weight_t), 70), x @ weight_t,
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_paths_match_f_linear(one_thread, bias):
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(48, 100, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(100, 48, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(100, generator=gen))
+    fast = MatmulLinear(lin)
+    assert fast.weight_packed is not None
+    with torch.inference_mode():
+        for m in (1, 2, 5, 8, 16, 33, 64, 65):
+            x = torch.randn(m, 48, generator=gen)
+            ref = F.linear(x, lin.weight, lin.bias)
+            assert cpu_gemm.use_packed(x) == (2 <= m <= cpu_gemm.MAX_ROWS)
+            torch.testing.assert_close(fast(x), ref, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(apply_linear(lin, x), ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_linear_cache_follows_in_place_updates(one_thread):
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 32, generator=gen)
+    x = torch.randn(4, 32, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_gemm.linear(x, weight), x @ weight.t(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_gemm.linear(x, weight), x @ weight.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_autograd_never_takes_the_kernel(one_thread):
+    lin = nn.Linear(16, 32)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert not cpu_gemm.use_packed(x)
+    apply_linear(lin, x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_more_threads_fall_back_to_torch():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            assert not cpu_gemm.use_packed(torch.randn(4, 8))
+    finally:
+        torch.set_num_threads(before)

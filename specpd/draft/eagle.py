@@ -28,7 +28,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import DecoderLayer, Rotary
+from specpd.model.llama import DecoderLayer, Rotary, apply_linear, head_logits
 
 
 class Eagle1Draft(DraftModel):
@@ -65,14 +65,15 @@ class Eagle1Draft(DraftModel):
                    own_head=keys is not None and "lm_head.weight" in keys, max_positions=max_positions)
 
     def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0):
-        x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))  # [T, H]
+        x = apply_linear(self.fc, torch.cat([self.embed(input_ids), hidden], dim=-1))  # [T, H]
         rope = self.rotary.table(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, backend, meta)
         return x
 
     def compute_logits(self, draft_hidden, step: int = 0):
-        return self._logits(draft_hidden, self.lm_head)
+        target = self._bound().model if self.lm_head is None else None
+        return head_logits(draft_hidden, self.lm_head, target)
 
     def _heads(self):
         return [(self, "lm_head")]

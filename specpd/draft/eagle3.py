@@ -34,7 +34,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import MLP, Attention, RMSNorm, Rotary
+from specpd.model.llama import MLP, Attention, RMSNorm, Rotary, apply_linear, head_logits
 
 
 class Eagle3MidLayer(nn.Module):
@@ -128,13 +128,14 @@ class Eagle3Draft(DraftModel):
             if hidden.shape[-1] != self.fc.in_features:
                 raise ValueError(f"EAGLE-3 hidden has width {hidden.shape[-1]}: expected fused target "
                                  f"features ({self.fc.in_features}) or a draft hidden ({width})")
-            hidden = self.fc(hidden)  # [T, 3H] -> [T, H]
+            hidden = apply_linear(self.fc, hidden)  # [T, 3H] -> [T, H]
         embeds = self.embed(input_ids)
         rope = self.rotary.table(positions, hidden.dtype)
         return self.midlayer(embeds, hidden, rope, backend, meta)
 
     def compute_logits(self, draft_hidden, step: int = 0):
-        return self._logits(self.norm(draft_hidden), self.lm_head)
+        target = self._bound().model if self.lm_head is None else None
+        return head_logits(self.norm(draft_hidden), self.lm_head, target)
 
     def _heads(self):
         return [(self, "lm_head")]

@@ -32,7 +32,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import DecoderLayer, RMSNorm, Rotary
+from specpd.model.llama import DecoderLayer, RMSNorm, Rotary, apply_linear, head_logits
 
 _EH_PROJ = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -99,12 +99,14 @@ class MTPDraft(DraftModel):
 
     def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0):
         module = self.mtp[step % len(self.mtp)]
-        x = module.eh_proj(torch.cat([module.enorm(self.embed(input_ids)), module.hnorm(hidden)], dim=-1))
+        x = torch.cat([module.enorm(self.embed(input_ids)), module.hnorm(hidden)], dim=-1)  # [T, 2H]
+        x = apply_linear(module.eh_proj, x)
         return module.block(x, self.rotary.table(positions, x.dtype), backend, meta)
 
     def compute_logits(self, draft_hidden, step: int = 0):
         shared_head = self.mtp[step % len(self.mtp)].shared_head
-        return self._logits(shared_head.norm(draft_hidden), shared_head.head)
+        return head_logits(shared_head.norm(draft_hidden), shared_head.head,
+                           self._bound().model if shared_head.head is None else None)
 
     def _heads(self):
         return [(m.shared_head, "head") for m in self.mtp]

@@ -55,6 +55,7 @@ class _Padded:
     mask: torch.Tensor  # [B, 1, q_max, n_pages * page_size] additive float (0 = attend, -inf = not)
     # every token of the batch is a valid query and they come in order: q is viewed, not gathered
     dense: bool
+    folded: torch.Tensor | None = None  # mask.repeat(1, 1, group, 1) for the fp32 GQA fold (q_max > 1)
 
 
 @dataclass
@@ -102,26 +103,30 @@ class TorchAttentionBackend(AttentionBackend):
         kv_lens = [meta.kv_lens_host[b] for b in seqs]
         q_max, kv_max = max(q_lens), max(kv_lens)
         n_pages = (kv_max + meta.page_size - 1) // meta.page_size
-        idx = torch.tensor(seqs)
-        q_len_t = torch.tensor(q_lens).view(-1, 1, 1)
-        kv_len_t = torch.tensor(kv_lens).view(-1, 1, 1)
-        j = torch.arange(q_max).view(1, -1, 1)
-        k_pos = torch.arange(n_pages * meta.page_size).view(1, 1, -1)
-        mask = k_pos <= kv_len_t - q_len_t + j  # causal with prefix offset: [B, q_max, kv_slots]
+        # last visible slot of each query row: causal with the prefix offset; a padding row sees slot 0
+        # only (no NaN; its output is dropped). Built from host lists: a few small tensor ops per step.
+        last = torch.tensor([[kv - q + j if j < q else 0 for j in range(q_max)] for q, kv in zip(q_lens, kv_lens)])
+        mask = torch.arange(n_pages * meta.page_size) <= last.unsqueeze(-1)  # [B, q_max, kv_slots]
         for i, b in enumerate(seqs):
             tree = _tree_block(meta, tree_indptr, b)
             if tree is not None:
                 q_len, kv_len, width = q_lens[i], kv_lens[i], tree.shape[1]
                 mask[i, :q_len, :kv_len - width] = True
                 mask[i, :q_len, kv_len - width:kv_len] = tree.to(mask.device)
-        valid = j.view(1, -1) < q_len_t.view(-1, 1)  # [B, q_max]
-        mask[~valid] = False
-        mask[:, :, 0] |= ~valid  # padding rows attend to one slot (no NaN); their output is dropped
-        rows = torch.tensor(indptr[:-1])[idx].view(-1, 1) + torch.arange(q_max).view(1, -1)
-        rows = torch.where(valid, rows, torch.zeros_like(rows))
+        valid = torch.tensor([[j < q for j in range(q_max)] for q in q_lens])  # [B, q_max]
+        rows = torch.tensor([[indptr[b] + j if j < q else 0 for j in range(q_max)] for b, q in zip(seqs, q_lens)])
         dense = len(seqs) == meta.batch_size and len(set(q_lens)) == 1
-        additive = torch.zeros(mask.shape, dtype=self.kv_pool.dtype).masked_fill_(~mask, float("-inf"))
-        return _Padded(rows, valid, meta.page_table[idx, :n_pages].long().flatten(), additive.unsqueeze(1), dense)
+        additive = mask.to(self.kv_pool.dtype).log_().unsqueeze(1)  # log(1) = 0 (attend), log(0) = -inf
+        idx = torch.tensor(seqs)
+        return _Padded(rows, valid, meta.page_table[idx, :n_pages].long().flatten(), additive, dense,
+                       self._fold_mask(additive))
+
+    def _fold_mask(self, additive: torch.Tensor) -> torch.Tensor | None:
+        """The mask for _padded_sdpa's fp32 GQA fold, [B, 1, group * q_max, S], built once per step."""
+        group = self.num_q_heads // self.kv_pool.kv_heads
+        if additive.dtype != torch.float32 or group == 1 or additive.shape[2] == 1:
+            return None
+        return additive.repeat(1, 1, group, 1)
 
     def forward(self, q, k, v, layer_id, meta):
         pool = self.kv_pool
@@ -134,7 +139,7 @@ class TorchAttentionBackend(AttentionBackend):
             kb = _gather(k_cache, pad.pages, nb, q.dtype)  # [B, Hkv, S, D]
             vb = _gather(v_cache, pad.pages, nb, q.dtype)
             qb = (q.view(nb, q_max, *q.shape[1:]) if pad.dense else q[pad.rows]).transpose(1, 2)  # [B, Hq, q_max, D]
-            ob = self._padded_sdpa(qb, kb, vb, pad.mask.to(q.dtype)).transpose(1, 2)  # [B, q_max, Hq, D]
+            ob = self._padded_sdpa(qb, kb, vb, pad.mask.to(q.dtype), pad.folded).transpose(1, 2)  # [B, q_max, Hq, D]
             if pad.dense:
                 return ob.reshape(q.shape)
             out[pad.rows[pad.valid]] = ob[pad.valid]
@@ -147,8 +152,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = ob[0].transpose(0, 1)
         return out
 
-    def _padded_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, q_max, D], k/v [B, Hkv, S, D], mask [B, 1, q_max, S] -> [B, Hq, q_max, D]."""
+    def _padded_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     folded: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, q_max, D], k/v [B, Hkv, S, D], mask [B, 1, q_max, S] -> [B, Hq, q_max, D].
+        folded: the plan's mask.repeat(1, 1, group, 1), when it made one."""
         b, hq, q_max, d = q.shape
         group = hq // k.shape[1]
         if q.dtype != torch.float32 or group == 1:
@@ -156,7 +163,8 @@ class TorchAttentionBackend(AttentionBackend):
         # fp32: fold each kv head's query heads into query rows, [B, Hkv, group * q_max, D] (row g * q_max + j),
         # ~1.4x faster than enable_gqa's repeated K/V on CPU; bf16 gains nothing from it
         qf = q.reshape(b, -1, group * q_max, d)
-        mask = mask if q_max == 1 else mask.repeat(1, 1, group, 1)  # one query row broadcasts as is
+        if q_max > 1:  # one query row broadcasts as is
+            mask = folded if folded is not None else mask.repeat(1, 1, group, 1)
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.sm_scale)
         return out.view(b, hq, q_max, d)
 

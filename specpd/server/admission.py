@@ -127,9 +127,9 @@ class Admission:
 
     async def _refuse(self, send, receive, declared: int | None) -> None:
         self.on_refused("body")
-        size = f"{declared} bytes" if declared is not None else "more than that"
-        await _reply(send, receive, 413, error_body(f"request body too large: {size}; this server accepts at most "
-                                                    f"{self.max_request_bytes} bytes (--max-request-bytes)",
+        size = f"{declared} bytes" if declared is not None else "a chunked body past the limit"
+        await _reply(send, receive, 413, error_body(f"request body too large ({size}): this server accepts at "
+                                                    f"most {self.max_request_bytes} bytes (--max-request-bytes)",
                                                     "body", 413), drain_bytes=_DRAIN_LIMIT_BYTES)
 
 

@@ -63,6 +63,10 @@ class HybridProposer(Proposer):
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self.model.aux_layer_ids
 
+    @property
+    def scratch_width(self) -> int:
+        return self.model.scratch_width  # the n-gram half writes no draft KV
+
     def extend(self, extends: list[DraftExtend]) -> None:
         self.model.extend(extends)
 

@@ -127,6 +127,10 @@ class NgramProposer(Proposer):
     def model_free(self) -> bool:
         return True
 
+    @property
+    def scratch_width(self) -> int:
+        return 0
+
     def extend(self, extends: list[DraftExtend]) -> None:
         pass  # the index follows request.all_token_ids lazily in propose()
 

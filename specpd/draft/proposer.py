@@ -53,6 +53,11 @@ class Proposer(ABC):
         return True
 
     @property
+    def scratch_width(self) -> int:
+        """KV slots past the root the drafting itself writes (EAGLE trees: one per frontier node a step)."""
+        return (self.num_steps - 1) * self.topk
+
+    @property
     def model_free(self) -> bool:
         """No draft model: nothing to run on a PD prefill server, no draft KV, no draft state to hand off."""
         return False

@@ -48,7 +48,7 @@ class SpecRunner:
     def decode_width(self) -> int:
         """KV slots a decode round reserves past the committed length (tree nodes or draft scratch)."""
         p = self.proposer
-        return max(p.num_draft_tokens, (p.num_steps - 1) * p.topk)
+        return max(p.num_draft_tokens, p.scratch_width)
 
     def release(self, request) -> None:
         self.runner.release(request)
@@ -119,6 +119,7 @@ class SpecRunner:
                         self._deferred.setdefault(it.request.request_id, []).append(ext)
                         ext = None
             else:
+                self._deferred.pop(it.request.request_id, None)  # a recompute (after preemption) starts over
                 res, ext = self._prefill(it, logits[row:row + 1] if it.samples else None, features[rows], suppress)
                 row += int(it.samples)
             results.append(res)

@@ -16,6 +16,11 @@ every 50 ms during the burst (`p_heartbeat_ms`: p50 / p99 / max, this case only)
 
   python evals/pd_load.py                      # -> evals/results/pd_load.json
   python evals/pd_load.py --out /tmp/x.json --sizes 32 --no-busy     # one quick case
+  python evals/pd_load.py --before OLD.json    # also record OLD.json's cases under "before"
+
+evals/results/pd_load.json: this commit's run ("cases", transfer backend as `make serve` picks it) and,
+under "before", the same script run from a checkout of fa72642 (P's heartbeat on its engine thread, tcp).
+The box's two cores were shared with other engineers' test runs throughout (load average 5-9).
 """
 from __future__ import annotations
 
@@ -136,8 +141,16 @@ def burst(url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     return asyncio.run(main())
 
 
-def info(url: str) -> dict:
-    return httpx.get(url + "/server_info", timeout=30).json()
+def info(url: str, timeout_s: float = 300) -> dict:
+    """/server_info, waiting out a server the launcher is restarting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url + "/server_info", timeout=30).json()
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def wait_pages_back(urls: list[str], timeout_s: float = 120) -> dict:
@@ -145,8 +158,20 @@ def wait_pages_back(urls: list[str], timeout_s: float = 120) -> dict:
     while True:
         got = {u: info(u) for u in urls}
         if all(i["free_pages"] == i["total_pages"] for i in got.values()) or time.monotonic() > deadline:
-            return {u: {"free_pages": i["free_pages"], "total_pages": i["total_pages"]} for u, i in got.items()}
+            return {u: {"free_pages": i["free_pages"], "total_pages": i["total_pages"], "pid": i["pid"]}
+                    for u, i in got.items()}
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def keep_log(path: str):
+    """The cluster's log tail on stderr if the run fails (serve_processes deletes the log)."""
+    try:
+        yield
+    except BaseException:
+        with open(path) as f:
+            log("cluster log tail:\n" + f.read()[-6000:])
+        raise
 
 
 def workload(tokenizer, size: int, long_len: int) -> tuple[list[list[int]], str]:
@@ -170,6 +195,7 @@ def main() -> int:
                     help="engine flags for every P and D (default timeouts and pool sizes otherwise)")
     ap.add_argument("--label", default="", help="free text recorded in the results (e.g. the commit)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_load.json"))
+    ap.add_argument("--before", help="results of an earlier run of this script, kept under 'before'")
     args = ap.parse_args()
 
     from specpd.model.loader import load_checkpoint
@@ -181,7 +207,7 @@ def main() -> int:
                "versions": versions(), "cases": []}
     serve_args = args.serve_args.split()
     t_start = time.monotonic()
-    with cluster(serve_args) as (router, p_url, d_url, boot, log_path):
+    with cluster(serve_args) as (router, p_url, d_url, boot, log_path), keep_log(log_path):
         log(f"cluster up in {time.monotonic() - t_start:.0f} s: router {router} P {p_url} D {d_url}")
         results["transfer_backend"] = info(p_url).get("transfer_backend")
         totals = {u: info(u)["total_pages"] for u in (p_url, d_url)}
@@ -209,7 +235,10 @@ def main() -> int:
                 results["cases"].append(case)
                 log(json.dumps({k: v for k, v in case.items() if k != "pages"}))
         with open(log_path) as f:
-            results["cluster_log_tail"] = f.read()[-3000:]
+            results["cluster_log_tail"] = f.read()[-6000:]
+    if args.before:
+        with open(args.before) as f:
+            results["before"] = {k: v for k, v in json.load(f).items() if k not in ("machine", "versions")}
     write_json(args.out, results)
     log(f"wrote {args.out}")
     return 0 if all(c["failed"] == 0 and c["pages_back"] for c in results["cases"]) else 1

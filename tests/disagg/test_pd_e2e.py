@@ -224,7 +224,8 @@ def test_disagg_cluster_launcher(model_dir, expected):
         client, launcher = srv["client"], srv["proc"]
         info = client.get("/server_info").json()
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-        assert info["role"] == "router" and info["prefill"] == [p_url] and info["decode"] == [d_url]
+        assert info["role"] == "router" and [s["url"] for s in info["prefill"]] == [p_url] \
+            and [s["url"] for s in info["decode"]] == [d_url]
         body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
         resp = client.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text

@@ -6,8 +6,9 @@ decode forward's time in matmuls (evals/results/profile_forward.json "before"): 
 the weight on every call. This kernel reads a weight packed once at load time into column panels
 `[N / 16, K, 16]` (one zmm wide), four panels at a time from four places in the weight (four
 sequential streams, each prefetched 2 KiB ahead: one stream alone left ~15% of the bandwidth unused),
-and keeps every row's accumulators of those panels in registers (row blocks of 8), so the weight
-streams from memory once whatever M is (for 9..64 rows the panels are re-read from L2). M = 1 stays
+and keeps every row's accumulators of those panels in registers (one block of up to 8 rows, or blocks
+of 6 beyond that), so the weight streams from memory once whatever M is (for 9..64 rows the panels
+are re-read from L2 by each block). M = 1 stays
 on MKL's gemv, which streams [K, N] as fast.
 
 The reference is `x @ w_t` (matmul_ref); results are allclose, not bit-identical (the sum order over
@@ -82,8 +83,11 @@ void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, i
       col[s] = q * PW;
       mask[s] = valid >= PW ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      int64_t r = M - m0 < 8 ? M - m0 : 8;
+    /* up to 8 rows: one pass over the weight (memory-bound); more: blocks of 6, whose 24
+       accumulators + 4 weight vectors fit the 32 zmm (8 rows spill, which shows once compute-bound) */
+    int64_t rb = M <= 8 ? M : 6;
+    for (int64_t m0 = 0; m0 < M; m0 += rb) {
+      int64_t r = M - m0 < rb ? M - m0 : rb;
       float* ys[NS];
       for (int s = 0; s < NS; s++) ys[s] = y + m0 * N + (mask[s] ? col[s] : 0);
       BLOCKS[r](x + m0 * K, K, w, K, ys, N, mask);

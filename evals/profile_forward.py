@@ -14,13 +14,16 @@ write + page gather, metadata/plan, RoPE, norms, LM head (+softmax/topk), everyt
 ops and Python glue), by wrapping the model's pieces in record_function scopes (this script only).
 
     .venv/bin/python evals/profile_forward.py --label before   # then, after a change, --label after
-writes evals/results/profile_forward.json, keeping the other label's run.
+writes evals/results/profile_forward.json, keeping the other label's run. `--ab` also times every
+case with the few-row CPU GEMM (specpd.kernels.cpu_gemm) switched off, interleaved in the same reps:
+on a shared machine whose load changes between runs, that A/B is the fair comparison.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -144,6 +147,20 @@ def cases(setup: Setup, batches: list[int]) -> dict[str, callable]:
     return out
 
 
+def kernel_off(fn):
+    """fn with specpd.kernels.cpu_gemm's few-row kernel disabled (torch's matmul everywhere)."""
+    from specpd.kernels import cpu_gemm
+
+    def run():
+        orig = cpu_gemm.use_packed
+        cpu_gemm.use_packed = lambda x: False
+        try:
+            return fn()
+        finally:
+            cpu_gemm.use_packed = orig
+    return run
+
+
 def wall_clock(runs: dict[str, callable], reps: int) -> dict[str, float]:
     """Median ms per case; cases interleaved within each rep so load drift hits all alike."""
     times = defaultdict(list)
@@ -160,21 +177,32 @@ def wall_clock(runs: dict[str, callable], reps: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def scoped(setup: Setup):
-    """Wrap the model's pieces in record_function scopes named 'cat::<category>' (undone on exit)."""
+    """Wrap the model's pieces in record_function scopes named 'cat::<category>' (undone on exit).
+    Only the outermost piece opens a scope (the LM head's matmul counts as LM head, not linears)."""
     from torch.profiler import record_function
     patches = []
+    depth = [0]
 
     def wrap(owner, attr, category):
         orig = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            with record_function(f"cat::{category}"):
+            if depth[0]:
                 return orig(*args, **kwargs)
+            depth[0] += 1
+            try:
+                with record_function(f"cat::{category}"):
+                    return orig(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         setattr(owner, attr, timed)
         patches.append((owner, attr, orig))
 
     wrap(nn.Linear, "forward", "linears")
     wrap(llama.MatmulLinear, "forward", "linears")
+    if hasattr(llama, "apply_linear"):  # the draft layers' nn.Linear since the cpu_gemm change
+        import specpd.kernels.cpu_gemm as cpu_gemm
+        wrap(cpu_gemm, "linear", "linears")
     for cls in {type(setup.backend)}:
         wrap(cls, "forward", "attention")
         wrap(cls, "plan", "metadata/plan")
@@ -226,12 +254,10 @@ def breakdown(setup: Setup, runs: dict[str, callable], reps: int) -> dict[str, d
 def ratios(wall: dict[str, float], batches: list[int], drafts) -> dict[str, float]:
     out = {}
     for b in batches:
-        base = wall[f"b{b}/decode"]
-        for t in VERIFY_ROWS:
-            out[f"b{b}/verify_T{t}_over_decode"] = round(wall[f"b{b}/verify_T{t}"] / base, 3)
-        out[f"b{b}/verify_T8_tree_over_decode"] = round(wall[f"b{b}/verify_T8_tree"] / base, 3)
-        for family in drafts:
-            out[f"b{b}/draft_{family}_over_decode"] = round(wall[f"b{b}/draft_{family}"] / base, 3)
+        base = wall.get(f"b{b}/decode")
+        for name in [f"verify_T{t}" for t in VERIFY_ROWS] + ["verify_T8_tree"] + [f"draft_{f}" for f in drafts]:
+            if base is not None and f"b{b}/{name}" in wall:
+                out[f"b{b}/{name}_over_decode"] = round(wall[f"b{b}/{name}"] / base, 3)
     return out
 
 
@@ -243,6 +269,10 @@ def main() -> None:
     ap.add_argument("--profile-reps", type=int, default=3)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--only", default="", help="regex: run only the matching cases (a quick look, not a record)")
+    ap.add_argument("--ab", action="store_true",
+                    help="also time every case with the cpu_gemm kernel off, interleaved in the same reps "
+                         "(an A/B under the same machine load)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -251,14 +281,25 @@ def main() -> None:
     t0 = time.perf_counter()
     setup = Setup(args.ctx, max(batches))
     runs = cases(setup, batches)
-    wall = wall_clock(runs, args.reps)
+    if args.only:
+        runs = {k: v for k, v in runs.items() if re.search(args.only, k)}
+    timed = dict(runs)
+    if args.ab:
+        timed.update({f"{k} [cpu_gemm off]": kernel_off(fn) for k, fn in runs.items()})
+    wall = wall_clock(timed, args.reps)
     result = {"versions": ver, "machine": machine_info(), "loadavg_before": list(os.getloadavg()),
               "ctx_tokens": args.ctx, "page_size": PAGE_SIZE, "reps": args.reps,
               "note": "ms per call, median over interleaved reps; each call = metadata build + plan + forward "
                       "+ LM head (all rows) + argmax (target) or + softmax + top-1 (draft step, 1 row/request); "
                       "tree = 8-node tree mask; breakdown = torch.profiler CPU time per category (inclusive, "
                       "profiler overhead included)",
-              "wall_ms": wall, "ratios": ratios(wall, batches, setup.drafts)}
+              "wall_ms": {k: v for k, v in wall.items() if "[" not in k},
+              "ratios": ratios(wall, batches, setup.drafts)}
+    if args.ab:
+        off = {k.split(" [")[0]: v for k, v in wall.items() if "[cpu_gemm off]" in k}
+        result["ab_cpu_gemm_off"] = {"note": "same process, same reps, interleaved: the kernel off "
+                                             "(MKL / F.linear for every row count)",
+                                     "wall_ms": off, "ratios": ratios(off, batches, setup.drafts)}
     if not args.no_profile:
         result["breakdown"] = breakdown(setup, runs, args.profile_reps)
     result["loadavg_after"] = list(os.getloadavg())

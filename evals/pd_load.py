@@ -19,7 +19,8 @@ every 50 ms during the burst (`p_heartbeat_ms`: p50 / p99 / max, this case only)
   python evals/pd_load.py --before OLD.json    # also record OLD.json's cases under "before"
 
 evals/results/pd_load.json: this commit's run ("cases", transfer backend as `make serve` picks it) and,
-under "before", the same script run from a checkout of fa72642 (P's heartbeat on its engine thread, tcp).
+under "before", the same script run from a checkout of fa72642 (P's heartbeat on its engine thread, tcp);
+under "after_over_tcp", this commit's busy cases with `--transfer-backend tcp` (the backend is not the fix).
 The box's two cores were shared with other engineers' test runs throughout (load average 5-9).
 """
 from __future__ import annotations

@@ -302,7 +302,6 @@ def main() -> None:
     work.add_argument("--configs", nargs="+", default=None, help="spec_workloads.configs names (default: all)")
     work.add_argument("--batched-configs", nargs="+",
                       default=["non_spec", "eagle3", "eagle3_fixed", "ngram", "hybrid", "random_eagle3"])
-    work.add_argument("--prompt-sets", type=int, default=2, help="distinct prompt sets the reps cycle over")
     work.add_argument("--split", default="held_out", choices=["held_out", "train"],
                       help="train: the prompts defaults are tuned on (never reported)")
     work.add_argument("--num-pages", type=int, default=1024)

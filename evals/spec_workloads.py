@@ -137,20 +137,24 @@ def run(args) -> None:
     names = args.configs or list(all_cfgs)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
     results: dict = {"meta": {**meta, "args": vars(args)}, "runs": {}}
+    # one engine per config for the whole run (loading and the adaptive cost measurement happen once)
+    engines = {n: LLMEngine(EngineConfig(model="default", dtype="float32", spec=all_cfgs[n], num_threads=args.threads,
+                                         cache=CacheConfig(page_size=16, num_pages=args.num_pages),
+                                         scheduler=SchedulerConfig(max_running_requests=max(args.batch_sizes))),
+                            checkpoint=ckpt) for n in names}
+    reps_of = {b: args.reps_b1 if b == 1 else args.reps for b in args.batch_sizes}
     for workload in args.workload_names:
-        prompts_all = WORKLOADS[workload](tok, max(args.batch_sizes) * args.prompt_sets, args.split)
+        # every rep of every batch size gets prompts of its own: no engine ever sees a prompt twice, so
+        # the n-gram store (on by default) holds other requests' outputs, never this prompt's last answer
+        prompts_all = WORKLOADS[workload](tok, sum(b * r for b, r in reps_of.items()), args.split)
+        offset = 0
         for batch in args.batch_sizes:
             batch_names = names if batch == 1 else [n for n in names if n in args.batched_configs]
-            engines = {}
-            for n in batch_names:
-                engines[n] = LLMEngine(EngineConfig(model="default", dtype="float32", spec=all_cfgs[n], num_threads=args.threads,
-                                                    cache=CacheConfig(page_size=16, num_pages=args.num_pages),
-                                                    scheduler=SchedulerConfig(max_running_requests=max(batch, 16))),
-                                       checkpoint=ckpt)
-            reps = args.reps_b1 if batch == 1 else args.reps
+            reps = reps_of[batch]
             raw = {n: [] for n in batch_names}
             for rep in range(reps):
-                prompts = prompts_all[(rep % args.prompt_sets) * batch:(rep % args.prompt_sets + 1) * batch]
+                prompts = prompts_all[offset:offset + batch]
+                offset += batch
                 order = batch_names[rep % len(batch_names):] + batch_names[:rep % len(batch_names)]
                 ref = None
                 rep_res = {}
@@ -177,7 +181,6 @@ def run(args) -> None:
                     st = eng.spec_runner.policy.stats
                     summary[n]["rounds_off_share"] = st.rounds_off / max(st.rounds, 1)
             results["runs"][f"{workload}/b{batch}"] = summary
-            del engines
             write_json(args.out, results)
     write_json(args.out, results)
     plot(results, os.path.splitext(args.out)[0] + ".png")

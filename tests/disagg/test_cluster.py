@@ -1,13 +1,14 @@
-"""`specpd serve --disagg 1p1d` over real processes survives its children: the prefill server SIGKILLed,
-the next request gets an HTTP error (not a refused connection) within the heartbeat timeout, the launcher
-restarts P and the cluster serves again within a minute, with D's pages back to its total; the transfer
-backend is decided once by the launcher and passed to every child."""
+"""`specpd serve --disagg 1p1d` over real processes survives its children: the prefill (or decode) server
+SIGKILLed, the next request gets an HTTP error (not a refused connection) within the heartbeat timeout, the
+launcher restarts it and the cluster serves again within a minute, with the other server's pages back to its
+total; the transfer backend is decided once by the launcher and passed to every child."""
 import os
 import signal
 import sys
 import time
 
 import httpx
+import pytest
 
 from specpd.server.cluster import child_commands, choose_transfer_backend
 from specpd.server.launch import free_port
@@ -30,7 +31,8 @@ def test_children_get_the_launchers_transfer_backend():
     assert [c[c.index("--bootstrap-port") + 1] for c in prefill] == ["8998", "8999"]
 
 
-def test_a_killed_prefill_is_restarted_and_the_cluster_serves_again(model_dir, expected):  # noqa: F811
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_killed_server_is_restarted_and_the_cluster_serves_again(model_dir, expected, victim):  # noqa: F811
     p_port, d_port, boot = free_port(), free_port(), free_port()
     args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
             str(boot), "--log-level", "warning", "--pd-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
@@ -45,14 +47,15 @@ def test_a_killed_prefill_is_restarted_and_the_cluster_serves_again(model_dir, e
         client, launcher = srv["client"], srv["proc"]
         resp = client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and tokens(resp) == expected[1], resp.text
-        p_info = httpx.get(p_url + "/server_info").json()
-        d_total = httpx.get(d_url + "/server_info").json()["total_pages"]
-        assert p_info["transfer_backend"] in ("mooncake", "tcp")
+        dead_url, other_url = (p_url, d_url) if victim == "prefill" else (d_url, p_url)
+        dead = httpx.get(dead_url + "/server_info").json()
+        other_total = httpx.get(other_url + "/server_info").json()["total_pages"]
+        assert dead["transfer_backend"] in ("mooncake", "tcp")
 
-        os.kill(p_info["pid"], signal.SIGKILL)
+        os.kill(dead["pid"], signal.SIGKILL)
         killed = time.monotonic()
-        resp = client.post("/v1/completions", json=body, timeout=30)  # the router answers, P is gone
-        assert resp.status_code >= 500 and "prefill" in resp.text, resp.text
+        resp = client.post("/v1/completions", json=body, timeout=30)  # the router answers, its backend is gone
+        assert resp.status_code >= 500 and victim in resp.text, resp.text
         assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 1
 
         while True:  # the launcher restarts P; the first request that works ends the outage
@@ -66,10 +69,10 @@ def test_a_killed_prefill_is_restarted_and_the_cluster_serves_again(model_dir, e
                 break
             time.sleep(0.5)
         assert tokens(resp) == expected[1]
-        new_p = httpx.get(p_url + "/server_info").json()
-        assert new_p["pid"] != p_info["pid"]
-        deadline = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S + 5  # rooms toward the dead P: the heartbeat rule
-        while (d := httpx.get(d_url + "/server_info").json())["free_pages"] != d_total:
-            assert time.monotonic() < deadline, d
+        assert httpx.get(dead_url + "/server_info").json()["pid"] != dead["pid"]
+        deadline = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S + 5  # rooms toward the dead one: the usual rules
+        while (other := httpx.get(other_url + "/server_info").json())["free_pages"] != other_total:
+            assert time.monotonic() < deadline, other
             time.sleep(0.2)
-        assert d["pd_transfer"] == 0 and d["pd_prealloc"] == 0
+        queues = ("pd_transfer", "pd_prealloc") if victim == "prefill" else ("pd_bootstrap", "pd_inflight")
+        assert all(other[q] == 0 for q in queues), other

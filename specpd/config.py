@@ -96,7 +96,9 @@ MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, noth
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
 # engine (README "Speculation that pays"); adaptive speculation then trims each round per request
-DEFAULT_SHAPES = {"ngram": (8, 1, 9), "eagle": (4, 1, 5), "eagle3": (4, 1, 5), "mtp": (4, 1, 5),
+# (evals/tune_spec_defaults.py on training-split prompts -> evals/results/spec_tuning.json; MTP takes the
+# EAGLE-3 shape, its acceptance is the same; eagle (no shipped head) keeps the old chain of 4)
+DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (3, 2, 6), "mtp": (3, 2, 6),
                   "replay": (4, 1, 5)}
 
 

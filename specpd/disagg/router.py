@@ -137,8 +137,12 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                 reader.cancel()
                 await decode_resp.aclose()
                 return watcher.result()
-            content = await reader
-            await decode_resp.aclose()
+            try:
+                content = await reader
+            except httpx.HTTPError as e:  # D died while answering
+                return _error(f"decode server failed: {e!r}", 502)
+            finally:
+                await decode_resp.aclose()
             return Response(content, status_code=200, media_type=decode_resp.headers.get("content-type"))
 
         async def relay():
@@ -161,6 +165,10 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                     try:
                         yield nxt.result()
                     except StopAsyncIteration:
+                        return
+                    except httpx.HTTPError as e:  # D died mid-stream: the status is sent, the error goes in-band
+                        yield ("data: " + json.dumps({"error": {"message": f"decode server failed mid-stream: {e!r}",
+                                                                "code": 502}}) + "\n\n" + "data: [DONE]\n\n").encode()
                         return
             finally:
                 watcher.cancel()

@@ -42,7 +42,7 @@ MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
 # flags this launcher sets itself per child; everything else is passed to every P and D
 _OWN_FLAGS = {"--disagg": 1, "--port": 1, "--role": 1, "--prefill-port": 1, "--decode-port": 1,
               "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1,
-              "--transfer-backend": 1}
+              "--transfer-backend": 1, "--api-key": 1}  # the key guards the router only
 _PROBE = ("from specpd.disagg.transfer import backend_available as a; ok, why = a('mooncake'); "
           "print('' if ok else why)")
 
@@ -99,7 +99,9 @@ def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: 
     p_urls = ",".join(f"http://{args.host}:{p_port + i}" for i in range(n_p))
     d_urls = ",".join(f"http://{args.host}:{d_port + j}" for j in range(n_d))
     router = base + ["--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,
-                     "--bootstrap-port", str(args.bootstrap_port)]
+                     "--bootstrap-port", str(args.bootstrap_port), "--max-request-bytes", str(args.max_request_bytes)]
+    if args.api_key:
+        router += ["--api-key", args.api_key]
     return prefill, decode, router
 
 

@@ -52,6 +52,8 @@ class StandIn:
         if body.get("stream"):
             async def chunks():
                 yield 'data: {"choices": [{"text": "hi"}]}\n\n'
+                if script.get("die_mid_stream"):  # the connection drops without the last chunk
+                    raise RuntimeError("decode server died")
                 yield "data: [DONE]\n\n"
             return StreamingResponse(chunks(), media_type="text/event-stream")
         return {"choices": [{"text": "hi", "finish_reason": "length"}], "role": self.role}
@@ -187,3 +189,13 @@ def test_an_open_host_without_a_key_is_warned_about(cluster):
         with open(log) as f:
             text = f.read()
     assert "binds 0.0.0.0 with no API key" in text, text[-2000:]
+
+
+def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error(backends):
+    p, d, client = backends
+    d.script = {"status": 200, "delay": 0.0, "die_mid_stream": True}
+    with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[0] == 'data: {"choices": [{"text": "hi"}]}'
+    assert "decode server failed mid-stream" in events[1] and events[-1] == "data: [DONE]", events

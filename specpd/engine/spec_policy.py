@@ -235,10 +235,12 @@ class AdaptivePolicy:
     def observe(self, request_id: str, proposed_depth: int, num_accepted: int) -> None:
         """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept."""
         st = self._get(request_id)
+        if proposed_depth <= 0:
+            if st.probing:  # the drafter had nothing to offer (an n-gram without a match): probe again next round
+                st.idle_rounds = st.probe_every
+            return
         if st.probing:
             st.probe_every = PROBE_MIN if num_accepted > 0 else min(2 * st.probe_every, PROBE_MAX)
-        if proposed_depth <= 0:
-            return
         reached = min(num_accepted + 1, proposed_depth)
         for d in range(self.num_steps):
             st.accepted[d] *= DECAY

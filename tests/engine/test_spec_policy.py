@@ -48,6 +48,16 @@ def test_useless_draft_plans_depth_zero_and_probes():
     assert policy._get("a").probe_every == 2 * PROBE_MIN
 
 
+def test_a_probe_with_nothing_proposed_is_retried_not_counted_as_a_failure():
+    policy = policy_with(memory_bound(), rate=0.0)
+    for _ in range(PROBE_MIN):
+        plan = policy.plan(["a"])[0]
+    assert plan == (1, 2)
+    policy.observe("a", 0, 0)  # an n-gram drafter found no match: the tree was the root alone
+    assert policy._get("a").probe_every == PROBE_MIN
+    assert policy.plan(["a"])[0] == (1, 2)  # probes again at once
+
+
 def test_good_draft_speculates_deep_and_a_mediocre_one_shallower():
     deep = policy_with(memory_bound(), rate=0.9).plan(["a"])[0]
     assert deep == (5, 6)

@@ -7,8 +7,9 @@ that beats a plain decode step depends on this engine on this machine (a CPU ver
 more than a GPU one) and on the batch (large batches are compute-bound). The policy:
   1. `CostModel`: seconds of one target forward by (requests, rows) and of one draft forward by rows,
      measured at startup (SpecRunner.calibrate) and refined online from every step's timings.
-  2. Per request, conditional acceptance a_d with exponential forgetting, shrunk towards engine-wide
-     rates (the prior a new request starts from).
+  2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
+     the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
+     own rate one level up (scaled by the engine-wide trend between the levels).
   3. `plan` picks each request's depth by marginal value: with lam the batch's current tokens per
      second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
      times; the plan is kept only if it beats everyone at depth 0.
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 PRIOR_ACCEPT = 0.5  # engine-wide conditional acceptance before any round is seen
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
 DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
-GLOBAL_RATE = 0.02  # engine-wide EMA step per observation
+GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 PROBE_MIN, PROBE_MAX = 8, 128
 
@@ -152,9 +153,18 @@ class AdaptivePolicy:
         return st
 
     def accept_rates(self, request_id: str) -> list[float]:
+        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate; a deeper depth's is
+        this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
+        request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
+        tried yet, and one that fails early is not."""
         st = self._get(request_id)
-        return [(acc + PRIOR_WEIGHT * g) / (att + PRIOR_WEIGHT)
-                for acc, att, g in zip(st.accepted, st.attempted, self.global_accept)]
+        g = self.global_accept
+        rates, prior = [], g[0]
+        for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
+            if d > 0:
+                prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
+            rates.append((acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT))
+        return rates
 
     @staticmethod
     def expected_tokens(rates: list[float]) -> list[float]:

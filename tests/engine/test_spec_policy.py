@@ -87,8 +87,18 @@ def test_observe_updates_conditional_rates():
     for _ in range(30):
         policy.observe("a", 3, 1)  # depth 1 always accepted, depth 2 always refused
     rates = policy.accept_rates("a")
-    assert rates[0] > 0.8 and rates[1] < 0.2  # ~10 rounds of memory against 4 of prior
-    assert rates[2] == pytest.approx(0.5)  # depth 3 never reached: the prior
+    assert rates[0] > 0.8 and rates[1] < 0.3  # ~10 rounds of memory against 4 of prior
+    assert rates[2] == pytest.approx(rates[1])  # depth 3 never reached: it follows depth 2 (flat prior trend)
+
+
+def test_a_request_that_keeps_accepting_is_expected_to_keep_accepting_deeper():
+    policy = AdaptivePolicy(6, 1, 7, memory_bound(), frozen=True)
+    policy.global_accept = [0.2] * 6  # the engine has seen a weak draft
+    for _ in range(6):
+        policy.observe("copy", 2, 2)  # a copied span: everything it tried was accepted
+    rates = policy.accept_rates("copy")
+    assert rates[2] > 0.6 and rates[5] > 0.5  # untried depths follow the request, not the weak engine
+    assert policy.plan(["copy"])[0][0] >= 4
 
 
 # -- in the engine ----------------------------------------------------------------------------

@@ -174,5 +174,6 @@ def test_ngram_on_smollm2_is_lossless_and_copies():
         engine = LLMEngine(EngineConfig(model="default", cache=cache, spec=spec), checkpoint=ckpt)
         out = engine.generate([prompt, prompt[:-3]], params)
         assert out[0].token_ids == base.token_ids
-        assert out[0].spec_accept_length > 2.0, out[0].spec_accept_length  # the answer copies the prompt
+        if not spec.spec_adaptive:  # (adaptive depth depends on the costs measured on this machine)
+            assert out[0].spec_accept_length > 2.0, out[0].spec_accept_length  # the answer copies the prompt
         assert engine.free_pages == engine.total_pages

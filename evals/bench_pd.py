@@ -190,7 +190,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft-model", default="default")
     ap.add_argument("--algorithm", default="eagle3")
-    ap.add_argument("--spec-steps", type=int, default=4)
+    ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -228,8 +228,8 @@ def main() -> int:
 
     base_args = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
                  "--engine-priority", args.engine_priority]
-    spec_args = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model,
-                 "--spec-num-steps", str(args.spec_steps)]
+    spec_args = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
+        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else [])  # none: the defaults
     configs = {"unified": ("unified", []), "unified_spec": ("unified", spec_args),
                "pd": ("pd", []), "pd_spec_both": ("pd", spec_args + ["--draft-mode", "both"]),
                "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"]),

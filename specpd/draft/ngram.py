@@ -120,10 +120,6 @@ class NgramProposer(Proposer):
         self._index: dict[str, _RequestIndex] = {}
 
     @property
-    def needs_hidden(self) -> bool:
-        return False
-
-    @property
     def model_free(self) -> bool:
         return True
 

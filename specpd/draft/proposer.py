@@ -50,7 +50,8 @@ class Proposer(ABC):
 
     @property
     def needs_hidden(self) -> bool:
-        return True
+        """The target's features at committed positions (a draft model consumes them)."""
+        return not self.model_free
 
     @property
     def scratch_width(self) -> int:

@@ -31,10 +31,6 @@ class ReplayProposer(Proposer):
         self.references: dict[str, list[int]] = {}  # request id -> expected output token ids
 
     @property
-    def needs_hidden(self) -> bool:
-        return False
-
-    @property
     def model_free(self) -> bool:
         return True
 

@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -536,11 +537,13 @@ def main() -> int:
                                        for r in ("prefill", "decode")})
         load_s = args.minutes * 60
         t0 = time.monotonic()
+        results["load_start_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         rss = RssSampler(proc.pid, t0)
         rss.start()
         load = Load(args, urls["router"], short, long, vocab, t0)
         run_info = asyncio.run(load.run(load_s))
         results["run"] = run_info
+        results["drained_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         results["pages_after_drain"] = pages_after_drain(urls)
         rss.stop()
         results["cluster_pids"] = roles_of(proc.pid)
@@ -555,10 +558,17 @@ def main() -> int:
         os.makedirs(os.path.dirname(args.png), exist_ok=True)
         plot(args.png, rss.samples, load.records, warmup_t, run_info["load_end_s"])
     finally:
+        results["shutdown_start_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         results["shutdown"] = stop_cluster(proc)
         log_file.flush()
         with open(log_file.name) as f:
-            results["cluster_log_tail"] = f.read()[-8000:]
+            text = f.read()
+        results["cluster_log_tail"] = text[-8000:]
+        # every timestamped WARNING/ERROR line of the whole run, to place them against the load's wall clock
+        results["cluster_log_problems"] = {
+            "count_task_exception_never_retrieved": text.count("Task exception was never retrieved"),
+            "count_traceback": text.count("Traceback (most recent call last)"),
+            "lines": re.findall(r"^\d{4}-\d\d-\d\d [\d:,]+ (?:WARNING|ERROR|CRITICAL) .*$", text, re.M)[:200]}
         log_file.close()
         os.unlink(log_file.name)
         write_json(args.out, results)

@@ -87,5 +87,5 @@ def test_pd_with_adaptive_and_ngram_matches_unified(model_dir, eagle3_dir, name,
             for base in (p_url, d_url):
                 info = wait_free_pages(base)
                 assert info["free_pages"] == info["total_pages"], (base, info)
-    if name.startswith("ngram"):
+    if name.startswith("ngram") and pinned:
         assert sum(a for _, _, a in want) > 0  # the tiny model loops: n-grams were accepted

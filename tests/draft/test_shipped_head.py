@@ -39,7 +39,7 @@ def smollm2():
 def test_the_shipped_head_is_lossless_and_accepts(smollm2, family, min_tau):
     ckpt, prompt, base = smollm2
     spec = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=64), spec=SpecConfig(
-        family, draft_model="default", spec_num_steps=4)), checkpoint=ckpt)
+        family, draft_model="default", spec_num_steps=4, spec_adaptive_pinned=True)), checkpoint=ckpt)
     out = spec.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]
     assert out.token_ids == base.token_ids
     assert out.spec_accept_length >= min_tau, out.spec_accept_length

@@ -25,6 +25,7 @@ def server(checkpoint, tmp_path_factory):
     with launch_server(["--model", "default", "--max-model-len", "1024", "--kv-cache-memory-mb", "64",
                         "--speculative-algorithm", "eagle", "--draft-model", str(draft_dir),
                         "--spec-num-steps", "3", "--spec-topk", "2", "--spec-num-draft-tokens", "5",
+                        "--spec-adaptive-pinned",  # a fixed cost table: the first rounds speculate on any box
                         "--log-level", "warning"]) as srv:
         yield srv
 

@@ -147,6 +147,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
 
         async def relay():
             chunks = decode_resp.aiter_raw().__aiter__()
+            nxt = None
             try:
                 while True:
                     nxt = asyncio.ensure_future(chunks.__anext__())
@@ -172,6 +173,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                         return
             finally:
                 watcher.cancel()
+                if nxt is not None and not nxt.done():  # the client left mid-stream: no orphaned read
+                    nxt.cancel()
                 await decode_resp.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream")

@@ -73,8 +73,8 @@ class HybridProposer(Proposer):
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         plans = plans or [(self.model.num_steps, self.num_draft_tokens)] * len(requests)
         model_trees = self.model.propose(requests, starts, [(min(s, self.model.num_steps), b) for s, b in plans])
-        ngram_trees = self.ngram.propose(requests, starts, [(min(s, self.ngram.num_steps) and self.ngram.num_steps, b)
-                                                            for s, b in plans])
+        # the n-gram half costs no forward: when the round speculates at all it drafts its full depth
+        ngram_trees = self.ngram.propose(requests, starts, [(self.ngram.num_steps if s else 0, b) for s, b in plans])
         return [a if s == 0 else merge_trees([a, b], budget)
                 for a, b, (s, budget) in zip(model_trees, ngram_trees, plans)]
 

@@ -65,6 +65,10 @@ class BootstrapServer:
         self._httpd.server_close()
 
 
+class BootstrapUnreachable(ConnectionError):
+    """D could not ask P's bootstrap server for its route: HTTP 502 (bad gateway), not the client's fault."""
+
+
 def fetch_route(host: str, port: int, timeout: float = 5.0) -> Route:
     with urllib.request.urlopen(f"http://{host}:{port}/route", timeout=timeout) as resp:
         data = json.loads(resp.read())

@@ -3,8 +3,9 @@
 A request's life on D, keyed by its `bootstrap_room`:
   0. bootstrap (HTTP handler, before submit): `GET /route` on P's bootstrap server gives P's control endpoint
      and PeerConfig (transfer backend included); `check_compatible` refuses a mismatched P with HTTP 400 naming
-     both values. The route is cached per P while P answers; one silent for a heartbeat timeout (or found
-     gone) is asked again, so a restarted P's new control port is found.
+     both values (an unreachable bootstrap server: HTTP 502). The route is cached per P while P answers;
+     one not heard for ROUTE_TRUST_S (or found gone) is asked again, so a restarted P's new control port is
+     found however soon it is back.
   1. prealloc queue: pages for positions 0..N-1 are reserved from the engine's allocator (waits while the
      pool is short); then `DecodeRegister` and `KVDestination` (transfer session, pool layouts, page ids) go
      to P over a DEALER socket (one per P).
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from specpd.core import InvalidRequest, SamplingParams, TokenLogprob
-from specpd.disagg.bootstrap import Route, fetch_route
+from specpd.disagg.bootstrap import BootstrapUnreachable, Route, fetch_route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
                                     KVDestination, PeerConfig, TransferDone, TransferFailed, check_compatible,
                                     encode)
@@ -51,6 +52,9 @@ from specpd.kv.allocator import pages_needed
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms (at least 4 per heartbeat timeout); P answers each
+# a cached route to P is trusted this long after P last spoke (or was asked): a restarted P (Python, torch, the
+# model) takes longer than this to answer again, and a P that owes rooms is heard at every heartbeat
+ROUTE_TRUST_S = 2 * HEARTBEAT_INTERVAL_S
 
 
 def _prefill_gone(info: BootstrapInfo, endpoint: str, timeout_s: float = 1.0) -> bool:
@@ -102,7 +106,7 @@ class DecodeControl(ControlThread):
                 self.rtt_s.append(arrived_at - sent)
             self.load[name] = msg
             return
-        self.inbox.put((name, msg, arrived_at))
+        self._queue(name, msg, arrived_at)
 
     def _deliver(self, endpoint: bytes, frames: list, end_room: int | None) -> None:
         try:
@@ -182,19 +186,20 @@ class DecodeWorker(DisaggWorker):
 
     # -- loop thread: bootstrap ------------------------------------------------------------
     def bootstrap(self, request_id: str, info: BootstrapInfo) -> None:
-        """Find P and check it serves what we serve; raises InvalidRequest (-> 400) naming both values."""
+        """Find P and check it serves what we serve; raises InvalidRequest (-> 400) naming both values, or
+        BootstrapUnreachable (-> 502) when P's bootstrap server does not answer."""
         key = (info.host, info.port)
         now = time.monotonic()
         with self._lock:
             route, fetched = self._routes.get(key, (None, 0.0))
-        # trust a cached route while its P answers (or was asked recently): a restarted P has a new endpoint
-        if route is None or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) \
-                > self.heartbeat_timeout_s:
+        # trust a cached route only while its P was heard (or asked) within ROUTE_TRUST_S: no P restarts that
+        # fast, so a P killed and restarted (a new control endpoint) is asked again, however recently it spoke
+        if route is None or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) > ROUTE_TRUST_S:
             try:
                 route = fetch_route(info.host, info.port)
             except OSError as e:
-                raise InvalidRequest("bootstrap_host", f"prefill bootstrap server {info.host}:{info.port} "
-                                     f"unreachable: {e}") from None
+                raise BootstrapUnreachable(f"prefill bootstrap server {info.host}:{info.port} "
+                                           f"unreachable: {e}") from None
             with self._lock:
                 self._routes[key] = (route, now)
         try:

@@ -102,7 +102,7 @@ class PrefillControl(ControlThread):
             self.owners[room] = identity
         elif isinstance(msg, KVDestination) and owner is None:  # D registers first on the same socket: a stray
             return
-        self.inbox.put((identity, msg, arrived_at))
+        self._queue(identity, msg, arrived_at)
 
     def _reply(self, identity: bytes, msg) -> None:
         self.router.send_multipart([identity, *encode(msg)], flags=zmq.NOBLOCK, copy=False)

@@ -61,6 +61,7 @@ class ControlThread:
         self.poller.register(self._pull, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.wakeup = None  # set by the engine's driver (AsyncEngine): an idle engine thread waits on its inbox
 
     def start(self) -> "ControlThread":
         self._thread.start()
@@ -129,6 +130,12 @@ class ControlThread:
         finally:
             self._pull.close(0)
             self._close_sockets()
+
+    def _queue(self, peer, msg, arrived_at: float) -> None:
+        """Hand a message to the engine thread, waking it if it sleeps (an idle P must still AbortAck)."""
+        self.inbox.put((peer, msg, arrived_at))
+        if self.wakeup is not None:
+            self.wakeup()
 
     def _wait_s(self) -> float:
         return CONTROL_TICK_S
@@ -242,6 +249,9 @@ class DisaggWorker:
     def total_pages(self) -> int:
         return self.engine.total_pages
 
+    def flush_cache(self) -> int:
+        return self.engine.flush_cache()
+
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.queue_sizes(), "transfer_backend": self.transfer_backend,
                 "peer_config": dataclasses.asdict(self.peer_config)}
@@ -253,7 +263,12 @@ class DisaggWorker:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests() or self.disagg_busy() or bool(self._outputs)
+        return (self.engine.has_unfinished_requests() or self.disagg_busy() or bool(self._outputs)
+                or not self.control.inbox.empty())
+
+    def set_wakeup(self, wakeup) -> None:
+        """`wakeup()` (thread-safe) makes the driver call step() soon; the control thread calls it per message."""
+        self.control.wakeup = wakeup
 
     def step(self) -> list[RequestOutput]:
         try:

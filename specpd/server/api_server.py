@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specpd.core import InvalidRequest, RequestOutput, SamplingParams
+from specpd.disagg.bootstrap import BootstrapUnreachable  # stdlib only, like this module's other imports
 from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, max_prompt_chars
 from specpd.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from specpd.server.metrics import ServerMetrics
@@ -79,6 +80,7 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
     app.get("/metrics")(server.metrics)
     app.get("/server_info")(server.server_info)
     app.get("/get_server_info")(server.server_info)  # SGLang's older name; its clients ask either
+    app.api_route("/flush_cache", methods=["GET", "POST"])(server.flush_cache)  # SGLang's name
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_: Request, exc: InvalidRequest):
@@ -94,6 +96,10 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
         metrics.observe_rejected("queue")
         return JSONResponse(error_body(str(exc), None, 503, "server_error"), status_code=503,
                             headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(BootstrapUnreachable)
+    async def bad_gateway(_: Request, exc: BootstrapUnreachable):  # D could not reach P's bootstrap server
+        return JSONResponse(error_body(str(exc), None, 502, "server_error"), status_code=502)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError):
@@ -268,6 +274,11 @@ class _Handlers:
     async def metrics(self):
         content, content_type = self.metrics_registry.render()
         return Response(content, media_type=content_type)
+
+    async def flush_cache(self):
+        """Drop every cached KV page no request holds (pages in use stay)."""
+        flushed = await self.async_engine.call(lambda engine: engine.flush_cache())
+        return {"flushed_pages": flushed, "free_pages": self.async_engine.stats().get("free_pages")}
 
     async def server_info(self):
         stats = self.async_engine.stats()

@@ -75,7 +75,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (e.g. flush_cache); its result resolves `done`."""
+    fn: Any
+    done: asyncio.Future
+
+
 _STOP = object()
+_WAKE = object()  # a PD worker's control thread queued a peer message: step even if no request is live
 ENGINE_PRIORITIES = ("normal", "low")
 
 
@@ -117,6 +125,8 @@ class AsyncEngine:
     # -- lifecycle (loop thread) -----------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if hasattr(self.engine, "set_wakeup"):  # PD workers: peer messages arrive between requests too
+            self.engine.set_wakeup(lambda: self._inbox.put(_WAKE))
         self._thread = threading.Thread(target=self._run, name="specpd-engine", daemon=True)
         self._thread.start()
 
@@ -160,6 +170,14 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return stream
+
+    async def call(self, fn) -> Any:
+        """`fn(engine)` on the engine thread, between steps; its result (or exception) comes back here."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        done = self._loop.create_future()
+        self._inbox.put(_Call(fn, done))
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Stop a request early. Its final output (finish_reason "abort") still arrives and is counted."""
@@ -232,7 +250,15 @@ class AsyncEngine:
         while True:
             if cmd is _STOP:
                 return False
-            if isinstance(cmd, _Add):
+            if cmd is _WAKE:
+                pass
+            elif isinstance(cmd, _Call):
+                try:
+                    result, error = cmd.fn(self.engine), None
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    result, error = None, exc
+                self._loop.call_soon_threadsafe(_settle, cmd.done, result, error)
+            elif isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
                 except Exception as exc:  # noqa: BLE001 - InvalidRequest -> 400, anything else -> 500
@@ -247,6 +273,14 @@ class AsyncEngine:
             except queue.Empty:
                 self._stats = self.engine.stats()
                 return True
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

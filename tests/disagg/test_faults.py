@@ -7,10 +7,13 @@ and test_control_plane.py (a busy P is not a dead one):
 (b) P frozen (SIGSTOP) with a room open on D and thawed (SIGCONT) before the heartbeat timeout: the
     request completes with the right tokens, nothing else fails, nothing leaks;
 (c) P SIGKILLed and restarted on the same HTTP and bootstrap ports (a new control endpoint): D asks the
-    bootstrap server again and the next request succeeds; also (xfail, a bug) when P is back before D's
-    heartbeat timeout passed since D last heard from it;
+    bootstrap server again and the next request succeeds, also when P is back before D's heartbeat timeout
+    passed since D last heard from it (D trusts a cached route only briefly); a request while P is down
+    gets 502 (P's bootstrap server unreachable is a bad gateway, not a bad request);
 (d) the router SIGKILLed mid-stream and restarted on the same port: the client's stream ends with an
-    error, P and D free the room, and the new router serves its first request.
+    error, P and D free the room, and the new router serves its first request;
+(e) D's bootstrap server unreachable -> 502 from D; D's Abort to an idle P (a room P never got a request
+    for) is acked at once, not at P's next request.
 
 One cluster per module, started by hand on fixed ports so a victim comes back on its own ports: two
 prefill servers P1 and P2 with one decode server D, router A (P1 + D) and router B (P2 + D), so requests
@@ -215,11 +218,6 @@ def check_bystanders(futures, want: list[int]) -> None:
         assert tokens_of(resp) == want
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "specpd/disagg/decode.py DecodeWorker.bootstrap (lines 190-192) trusts the cached route while "
-    "now - max(fetched, heard[old endpoint]) <= heartbeat_timeout_s: a P restarted faster than that gets "
-    "D's DecodeRegister/KVDestination on its dead control endpoint (prefill.py binds a random port), so "
-    "the first request after the restart hangs until D's heartbeat rule fails it as 'gone'"))
 def test_prefill_restarted_within_the_heartbeat_timeout_is_found_again(up, reference):
     """(c) as D2 sees it (first in the module, while D2's route to P1 is fresh): D2's heartbeat timeout
     (25 s) is longer than P1's restart and D2 heard from P1 just before the kill, so its cached route names
@@ -333,13 +331,13 @@ def test_prefill_restarted_on_its_ports_is_found_again(up, reference):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         others = bystanders(pool, up.url["b"], 3)
         up.kill("p1")
-        # while P1 is down: a clear error at once, not a hang (P1's refused connection, 502, or D's refusal of
-        # an unreachable bootstrap server, 400, whichever the router hears first)
+        # while P1 is down: a clear error at once, not a hang (P1's refused connection or D's unreachable
+        # bootstrap server, whichever the router hears first: both a 502)
         asked = time.monotonic()
         resp, at = post(up.url["a"], SHORT)
         assert isinstance(resp, httpx.Response), repr(resp)
         assert at - asked < 10, at - asked
-        assert resp.status_code in (400, 502) and "prefill" in resp.json()["error"]["message"], resp.text
+        assert resp.status_code == 502 and "prefill" in resp.json()["error"]["message"], resp.text
         restart(up, "p1")
         check_bystanders(others, reference)
     assert up.pid("p1") != old_pid
@@ -384,3 +382,33 @@ def test_router_restarted_on_its_port_serves_at_once(up, reference):
     assert tokens_of(resp) == reference
     for name in ("p1", "p2", "d"):
         assert_pages_back(up.url[name], 10)
+
+
+def test_unreachable_bootstrap_server_is_a_bad_gateway(up):
+    """D asked to bootstrap from a port where no prefill server listens answers 502 naming it, not 400."""
+    dead = free_port()
+    resp = httpx.post(up.url["d"] + "/v1/completions", timeout=30, json={
+        **SHORT, "bootstrap_host": "127.0.0.1", "bootstrap_port": dead, "bootstrap_room": 7})
+    assert resp.status_code == 502, resp.text
+    assert f"prefill bootstrap server 127.0.0.1:{dead} unreachable" in resp.json()["error"]["message"]
+    assert_pages_back(up.url["d"], 5)
+
+
+def test_idle_prefill_acks_an_abort_at_once(up):
+    """A room D offered to an idle P1 that never gets the request for it (the router's request to P failed
+    first), then abandoned by D's client: P1's control thread wakes its engine loop, which AbortAcks at once,
+    so D's pages come back within a second or two, not after D's 600 s abort timeout nor P1's next request."""
+    body = {**SHORT, "max_tokens": 4, "stream": True, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": up.ports["boot1"], "bootstrap_room": 991}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", up.url["d"] + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            deadline = time.monotonic() + 10
+            while info(up.url["d"])["pd_transfer"] < 1:  # D offered its pages to P1
+                assert time.monotonic() < deadline, "D never offered pages for the room"
+                time.sleep(0.02)
+            time.sleep(0.3)  # P1 has registered the room and gone idle again (no request came)
+        left = time.monotonic()  # the client is gone: D sends Abort to P1
+    assert_pages_back(up.url["d"], 3)
+    assert time.monotonic() - left < 3
+    assert_pages_back(up.url["p1"], 1)

@@ -36,6 +36,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k
     skip_special_tokens: bool = True
+    # structured output (specpd.grammar): kind in specpd.grammar.KINDS, spec the text it compiles from
+    constraint_kind: str | None = None
+    constraint_spec: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +73,14 @@ class SamplingParams:
             raise InvalidRequest("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "must be non-negative integers")
+        if self.constraint_kind is not None:
+            from specpd.grammar.constraint import KINDS
+            if self.constraint_kind not in KINDS or not isinstance(self.constraint_spec, str):
+                raise InvalidRequest("constraint_kind", f"must be one of {', '.join(KINDS)}, got "
+                                                      f"{self.constraint_kind!r}")
+            if self.ignore_eos:
+                raise InvalidRequest("ignore_eos", "cannot be combined with a structured-output constraint: "
+                                                   "the grammar decides where the output ends")
         return self
 
     @property
@@ -121,6 +132,7 @@ class Request:
     prefill_only: bool = False  # PD prefill role: stop after the handoff token y0, keep the pages
     handoff_hidden: list | None = None  # PD prefill, draft-on-decode-only: the prompt's target features
     sampler_state: object = None  # PD prefill: the request generator's state after y0 (seeded sampling)
+    grammar: object = None  # structured output: its specpd.grammar RequestGrammar (owned by the engine)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property

@@ -65,6 +65,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
+        self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -79,7 +80,16 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "free_pages": self.free_pages, "total_pages": self.total_pages,
                 "page_size": self.runner.kv_pool.page_size, **self.counters,
-                **(self.spec_stats.as_dict() if self.config.spec.enabled else {}), **self._policy_stats()}
+                **(self.spec_stats.as_dict() if self.config.spec.enabled else {}), **self._policy_stats(),
+                **(self._grammar.stats.as_dict() if self._grammar is not None else {})}
+
+    @property
+    def grammar(self):
+        """The grammar backend over this engine's tokenizer; its stop set is the engine's EOS ids."""
+        if self._grammar is None:
+            from specpd.grammar.backend import GrammarBackend  # xgrammar loads only when a request needs it
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     def _policy_stats(self) -> dict:
         policy = self.spec_runner.policy if self.spec_runner is not None else None
@@ -97,6 +107,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(), prefill_only=prefill_only)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
+        if params.constraint_kind is not None:
+            req.grammar = self.grammar.matcher(params.constraint_kind, params.constraint_spec)
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         return req
@@ -119,6 +131,8 @@ class LLMEngine:
                                  f"the KV cache capacity ({self.total_pages * page_size} tokens)")
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequest("request_id", f"duplicate request id {request_id!r}")
+        if params.constraint_kind is not None:  # a cache hit when the server compiled it first
+            self.grammar.compile(params.constraint_kind, params.constraint_spec)
 
     # -- PD hooks --------------------------------------------------------------------------
     def take_handoff(self, request_id: str) -> Request | None:
@@ -154,6 +168,8 @@ class LLMEngine:
         req.pages = list(pages)
         req.num_computed_tokens = len(prompt_token_ids)
         req.spec_state = draft_state
+        if params.constraint_kind is not None:  # rebuilt from the constraint text; y0 advances it below
+            req.grammar = self.grammar.matcher(params.constraint_kind, params.constraint_spec)
         if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
             gen.set_state(sampler_state)
         if needs_hidden and draft_state is None:
@@ -217,7 +233,9 @@ class LLMEngine:
         for it in batch.items:
             p = it.request.params
             if it.samples and len(it.request.output_token_ids) < p.min_tokens:
-                out[it.request.request_id] = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+                # a constrained request's EOS is the grammar's to allow: min_tokens does not hold it back
+                eos = () if p.ignore_eos or it.request.grammar is not None else self.eos_token_ids
+                out[it.request.request_id] = tuple(p.stop_token_ids) + eos
         return out
 
     def _process_aborts(self) -> list[RequestOutput]:
@@ -268,10 +286,12 @@ class LLMEngine:
             n_out = len(req.output_token_ids)
             can_stop = n_out >= p.min_tokens
             reason = stop_reason = None
-            if can_stop and token in p.stop_token_ids:
+            if req.grammar is not None and not req.grammar.accept(token):  # sampled under its mask: a bug
+                reason, stop_reason = "abort", f"token {token} is not allowed by the request's grammar"
+            elif can_stop and token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
-            elif can_stop and not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
+            elif (can_stop or req.grammar is not None) and not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"  # a constrained request: the grammar accepted EOS, so it has ended
             if detok is not None:
                 # EOS / stop ids are kept in token_ids but never rendered as text
                 hit = detok.add([token], check_stop=can_stop) if reason is None else None

@@ -26,6 +26,7 @@ from specpd.draft.eagle_proposer import EagleProposer
 from specpd.draft.hybrid import HybridProposer
 from specpd.draft.ngram import NgramProposer
 from specpd.draft.proposer import DraftExtend, Proposer
+from specpd.grammar.matcher import mask_logits, mask_tree_logits
 from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
@@ -231,6 +232,7 @@ class SpecRunner:
         req = it.request
         token_ids, logprobs = [], []
         if it.samples:
+            mask_logits(logits, [req.grammar])
             row = self._row(it, [], suppress)
             raw = logits.clone() if row.params.logprobs is not None else None
             token = sample(process_logits(logits, [row]), [row], self.runner.shared_generator)[0]
@@ -247,6 +249,8 @@ class SpecRunner:
         """logits [T, vocab] fp32 at the tree's nodes."""
         req = it.request
         runner = self.runner
+        if req.grammar is not None:  # every node against the target masked by the grammar state at that node
+            mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
         want_logprobs = req.params.logprobs is not None
         raw = logits.clone() if want_logprobs else None
         if req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id):

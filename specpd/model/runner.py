@@ -14,6 +14,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.config import EngineConfig, ModelConfig
 from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
 from specpd.core import ScheduledBatch
+from specpd.grammar.matcher import mask_logits
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
@@ -134,6 +135,8 @@ class ModelRunner:
         if not rows:
             return [SampledTokens(it.request.request_id, [], [], it.num_tokens) for it in batch.items]
         logits = self.model.compute_logits(hidden[rows_idx])  # [num_rows, vocab] fp32
+        # structured output: the grammar mask comes before every other logit processing and the greedy argmax
+        mask_logits(logits, [it.request.grammar for it in batch.items if it.samples])
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw = logits.clone() if want_logprobs else logits
         if greedy_fast_path(rows):

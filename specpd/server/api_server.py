@@ -137,6 +137,7 @@ class _Handlers:
         check_common(req, self.model_name)
         prompt = req.single_prompt()
         params = req.to_sampling_params()
+        await self._compile_constraint(req)
         if isinstance(prompt, str):
             self._check_prompt_chars("prompt", len(prompt))
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
@@ -154,9 +155,18 @@ class _Handlers:
         self._check_prompt_chars("messages", sum(len(m["content"]) for m in messages))
         prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, req.add_generation_prompt)
         params = req.to_sampling_params(default_max_tokens=self._room_left(len(prompt_ids)))
+        await self._compile_constraint(req)
         formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
                                   params.logprobs, req.include_usage)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
+
+    async def _compile_constraint(self, req) -> None:
+        """Structured output: compile the constraint (cached) in a worker thread, so a slow schema never
+        blocks the event loop or the engine step; a bad one is a 400 naming its field."""
+        constraint = req.constraint()
+        engine = self.engine if hasattr(type(self.engine), "grammar") else getattr(self.engine, "engine", None)
+        if constraint is not None and engine is not None:
+            await asyncio.to_thread(lambda: engine.grammar.compile(constraint.kind, constraint.spec, constraint.field))
 
     def _chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:

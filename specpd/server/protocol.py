@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specpd.core import InvalidRequest, SamplingParams
+from specpd.grammar.constraint import Constraint, parse_constraint
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
@@ -50,6 +51,19 @@ class _GenerationRequest(BaseModel):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:N"
+    # structured outputs (specpd.grammar.constraint checks their shapes, so a 400 names the exact part)
+    response_format: Any = None  # OpenAI
+    structured_outputs: Any = None  # vLLM
+    guided_json: Any = None  # vLLM, older
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    json_schema: Any = None  # SGLang
+    regex: Any = None
+    ebnf: Any = None
+
+    def constraint(self) -> Constraint | None:
+        return parse_constraint({name: getattr(self, name) for name in _CONSTRAINT_FIELDS})
 
     @property
     def include_usage(self) -> bool:
@@ -69,7 +83,14 @@ class _GenerationRequest(BaseModel):
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids is not None:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        constraint = self.constraint()
+        if constraint is not None:
+            kwargs["constraint_kind"], kwargs["constraint_spec"] = constraint.kind, constraint.spec
         return kwargs
+
+
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "json_schema", "regex", "ebnf")
 
 
 class CompletionRequest(_GenerationRequest):

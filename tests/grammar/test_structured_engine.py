@@ -1,0 +1,107 @@
+"""Constrained generation on SmolLM2 with the shipped EAGLE-3 draft: every output parses and validates,
+greedy output is token-identical with and without speculation (chain and tree), and the precedence rules
+(grammar end before min_tokens, stop strings still cut) hold."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from specpd.config import CacheConfig, EngineConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+
+NUM_PAGES = 96
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"enum": ["Paris", "London", "Tokyo"]},
+    "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["zip"]},
+    "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 2}},
+    "required": ["name", "age", "city", "address", "scores"]}
+SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+         "required": ["ok", "n"]}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["yes", "no", "maybe"]
+
+
+def schema_params(schema, **kw):
+    return SamplingParams(max_tokens=64, constraint_kind="json_schema", constraint_spec=json.dumps(schema), **kw)
+
+
+# (question, params, check) -- greedy rows are compared token for token across engines
+CASES = [
+    ("Describe Alice, 30, from Paris, as JSON.", schema_params(PERSON, temperature=0.0), ("json", PERSON)),
+    ("Give a phone number.", SamplingParams(max_tokens=16, temperature=0.0, constraint_kind="regex",
+                                            constraint_spec=PHONE), ("regex", PHONE)),
+    ("Is the sky blue?", SamplingParams(max_tokens=8, temperature=0.0, constraint_kind="choice",
+                                        constraint_spec=json.dumps(CHOICES)), ("choice", CHOICES)),
+    ("Is water wet? Answer in JSON.", schema_params(SHORT, temperature=1.0, seed=7), ("json", SHORT)),
+]
+
+
+def check(text, how):
+    kind, want = how
+    if kind == "json":
+        jsonschema.validate(json.loads(text), want)
+    elif kind == "regex":
+        assert re.fullmatch(want, text), text
+    else:
+        assert text in want
+
+
+def run(engine, prompts, params):
+    outs = engine.generate(prompts, params)
+    assert engine.free_pages == NUM_PAGES
+    return outs
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    tok = smollm2.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q, _, _ in CASES]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    return LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)),
+                     checkpoint=smollm2)
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    return run(plain, prompts, [p for _, p, _ in CASES])
+
+
+def test_outputs_validate_without_speculation(plain, reference):
+    assert plain.grammar.info.stop_token_ids == list(plain.eos_token_ids)  # the matcher's stop set
+    for out, (_, _, how) in zip(reference, CASES):
+        assert out.finish_reason == "stop", out.text
+        check(out.text, how)
+    assert plain.stats()["grammar_mask_seconds"] > 0
+
+
+def test_grammar_end_precedes_min_tokens_and_stop_strings_still_cut(plain, prompts):
+    choice = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=6, constraint_kind="choice",
+                            constraint_spec=json.dumps(CHOICES))
+    words = SamplingParams(max_tokens=16, temperature=0.0, stop=(" ",), constraint_kind="regex",
+                           constraint_spec="[a-z]+ [a-z]+")
+    ended, cut = run(plain, prompts[2:3] * 2, [choice, words])
+    assert ended.finish_reason == "stop" and ended.text in CHOICES and len(ended.token_ids) < 6
+    assert cut.finish_reason == "stop" and cut.stop_reason == " " and re.fullmatch("[a-z]+", cut.text)
+
+
+@pytest.mark.parametrize("steps,topk,num_tokens", [(3, 1, None), (3, 4, 8)], ids=["chain", "tree"])
+def test_eagle3_is_token_identical_and_valid(smollm2, prompts, reference, steps, topk, num_tokens):
+    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=steps, spec_topk=topk,
+                      spec_num_draft_tokens=num_tokens, spec_adaptive_pinned=True)
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES), spec=spec),
+                       checkpoint=smollm2)
+    outs = run(engine, prompts, [p for _, p, _ in CASES])
+    for out, ref, (_, params, how) in zip(outs, reference, CASES):
+        assert out.finish_reason == "stop", out.text
+        check(out.text, how)
+        if params.greedy:
+            assert out.token_ids == ref.token_ids
+    assert engine.spec_stats.accepted_tokens > 0

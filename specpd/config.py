@@ -82,6 +82,9 @@ class CacheConfig:
     page_size: int = 16
     kv_cache_memory_mb: int = 512  # memory budget for the page pool
     num_pages: int | None = None  # overrides the budget when set
+    # prefix caching (specpd/kv/radix.py): finished and preempted requests leave their full pages in a radix
+    # tree; a new request reuses its longest cached prefix (--disable-prefix-caching turns it off)
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,9 @@ class Request:
     handoff_hidden: list | None = None  # PD prefill, draft-on-decode-only: the prompt's target features
     sampler_state: object = None  # PD prefill: the request generator's state after y0 (seeded sampling)
     grammar: object = None  # structured output: its specpd.grammar RequestGrammar (owned by the engine)
+    cache_node: object = None  # the prefix-cache node whose path this request holds (specpd.kv.radix)
+    num_cached_tokens: int = 0  # prompt tokens taken from a prefix cache, not computed here
+    draft_kv_len: int | None = None  # positions with valid draft KV (None: no draft KV in the pages)
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property
@@ -170,6 +173,7 @@ class RequestOutput:
     spec_verify_count: int = 0
     spec_accepted_tokens: int = 0
     spec_committed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache (usage.cached_tokens)
 
     @property
     def spec_accept_length(self) -> float | None:

@@ -31,6 +31,7 @@ import zmq
 
 from specpd.core import InvalidRequest, RequestOutput
 from specpd.disagg.messages import MessageError, PeerConfig, decode, encode
+from specpd.disagg.timeline import StageStats
 from specpd.disagg.transfer import create_backend
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,13 @@ class ControlThread:
         try:
             while not self._stop.is_set():
                 events = dict(self.poller.poll(int(self._wait_s() * 1000)))
-                now = time.monotonic()
                 for sock, peer in self._peer_sockets():
                     while sock in events and not sock.closed:
                         try:
                             frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        now = time.monotonic()  # per message: one read later in this batch came later
                         sender = peer
                         if sender is None:  # a ROUTER: the routing frame names the peer
                             sender, frames = bytes(frames[0].buffer), frames[1:]
@@ -223,22 +224,26 @@ class DisaggWorker:
         self.ctx = zmq.Context.instance()
         self.control: ControlThread | None = None  # the subclass builds and starts it
         self.step_started: float | None = None  # monotonic start of the engine step running now (for load)
+        self.last_step: tuple[float, float] = (0.0, 0.0)  # monotonic start and end of the last engine step
         self.engine_failed = False  # step() raised: the engine thread is gone (busy is not dead; this is)
-        self._expected: dict[str, BootstrapInfo] = {}  # request id -> room; written by the loop thread
+        self._expected: dict[str, tuple[BootstrapInfo, float]] = {}  # request id -> (room, monotonic arrival)
+        self.stages = StageStats()  # the TTFT breakdown (timeline.py), observed as each room's stages end
+        self._returned_early = False  # the last step() returned the stages' outputs without a forward
         self._lock = threading.Lock()
         self._outputs: list[RequestOutput] = []  # produced by the disagg stages, returned by the next step
 
     # -- loop thread -----------------------------------------------------------------------
-    def expect(self, request_id: str, info: BootstrapInfo) -> None:
+    def expect(self, request_id: str, info: BootstrapInfo, received_at: float | None = None) -> None:
+        """`received_at`: when the HTTP handler read the request (monotonic; now if not given)."""
         with self._lock:
-            self._expected[request_id] = info
+            self._expected[request_id] = (info, time.monotonic() if received_at is None else received_at)
 
-    def _take_expected(self, request_id: str) -> BootstrapInfo:
+    def _take_expected(self, request_id: str) -> tuple[BootstrapInfo, float]:
         with self._lock:
-            info = self._expected.pop(request_id, None)
-        if info is None:
+            expected = self._expected.pop(request_id, None)
+        if expected is None:
             raise InvalidRequest("bootstrap_room", "missing (send requests through the router)")
-        return info
+        return expected
 
     # -- engine thread: the LLMEngine interface --------------------------------------------
     @property
@@ -278,19 +283,36 @@ class DisaggWorker:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        engine_busy = self.engine.has_unfinished_requests()
-        for peer, msg, arrived_at in self.control.take(0.0 if engine_busy else IDLE_POLL_S):
-            self.on_message(peer, msg, arrived_at)
+        """Peer messages, the stages, then one engine forward, then the stages again. What the stages produce
+        before the forward (D: a committed handoff's y0, a failed room's error) leaves at once, without
+        waiting for that forward; never twice in a row, so the forward is not starved."""
+        self._take_messages(0.0)
+        self.advance()
+        early = self._take_outputs()
+        if early and not self._returned_early:
+            self._returned_early = True
+            return early
+        self._returned_early = False
         outputs = []
-        if engine_busy:
+        if self.engine.has_unfinished_requests():
             self.step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             finally:
+                self.last_step = (self.step_started, time.monotonic())
                 self.step_started = None
+        else:  # nothing to compute: wait a moment for a peer's message rather than spin
+            self._take_messages(IDLE_POLL_S)
         outputs = self.on_engine_outputs(outputs)
         self.advance()
-        outputs, self._outputs = self._outputs + outputs, []
+        return early + self._take_outputs() + outputs
+
+    def _take_messages(self, timeout_s: float) -> None:
+        for peer, msg, arrived_at in self.control.take(timeout_s):
+            self.on_message(peer, msg, arrived_at)
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs + self.engine.take_pending_outputs(), []
         return outputs
 
     def on_message(self, peer: bytes, msg, arrived_at: float) -> None:

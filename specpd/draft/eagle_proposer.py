@@ -22,6 +22,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.core import Request
 from specpd.draft.base import DraftModel
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
+from specpd.grammar.matcher import mask_after
 from specpd.kv.pool import KVPool
 from specpd.verify.tree import DraftTree, TreeBuilder, root_only
 
@@ -37,6 +38,7 @@ class EagleProposer(Proposer):
         self.pool = pool or KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
                                    cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
         self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
+        self._draft_ids: torch.Tensor | None = None  # [draft vocab] target ids (d2t), built when a grammar needs it
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -55,10 +57,35 @@ class EagleProposer(Proposer):
         return self.draft(torch.tensor(token_ids, device=self.device), hidden,
                           torch.tensor(positions, device=self.device), self.backend, meta, step=step)
 
-    def _topk(self, draft_hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(self.draft.compute_logits(draft_hidden, step=step), dim=-1)
-        vals, ids = probs.topk(self.topk, dim=-1)  # [rows, K]
+    def _topk(self, draft_hidden: torch.Tensor, step: int,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """bias [rows, draft vocab] (0 / -inf): structured output, -inf where the grammar forbids the token."""
+        logits = self.draft.compute_logits(draft_hidden, step=step)
+        if bias is not None:
+            logits = logits + bias
+        vals, ids = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)  # [rows, K]
         return self.draft.draft_to_target(ids), vals
+
+    def _grammar_bias(self, requests, builders, level, frontiers) -> torch.Tensor | None:
+        """[sum of frontier sizes, draft vocab] 0 / -inf, or None when no request in `level` has a grammar:
+        -inf where the grammar forbids the token after the committed output plus the path root..node.
+        Masking the draft costs one grammar walk per frontier node and keeps acceptance up on constrained
+        text; verify masks the target itself, so this changes speed, never output."""
+        if all(requests[i].grammar is None for i in level):
+            return None
+        if self._draft_ids is None:
+            self._draft_ids = self.draft.draft_to_target(torch.arange(self.draft.draft_vocab_size)).cpu()
+        parts = []
+        for i in level:
+            grammar, nodes = requests[i].grammar, frontiers[i]
+            if grammar is None:
+                parts.append(torch.zeros(len(nodes), self.draft.draft_vocab_size))
+                continue
+            paths = [[] if builders is None else _path_tokens(builders[i], n) for n in nodes]
+            bias = mask_after(grammar, paths).index_select(1, self._draft_ids)
+            bias[torch.isinf(bias).all(dim=1)] = 0.0  # nothing allowed in the draft vocab (say only EOS)
+            parts.append(bias)
+        return torch.cat(parts).to(self.device)
 
     def extend(self, extends: list[DraftExtend]) -> None:
         ids, positions, q_lens, kv_lens, pages = [], [], [], [], []
@@ -74,6 +101,7 @@ class EagleProposer(Proposer):
         last = torch.tensor(q_lens).cumsum(0) - 1
         top_ids, top_probs = self._topk(out[last], step=0)
         for i, ex in enumerate(extends):
+            ex.request.draft_kv_len = ex.start + q_lens[i]  # draft KV valid below (a prefix cache reads it)
             if ex.at_end:
                 ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[last[i]])
 
@@ -90,7 +118,11 @@ class EagleProposer(Proposer):
         for i in active:
             state: DraftState = requests[i].spec_state
             b = TreeBuilder(requests[i].all_token_ids[-1], k, plans[i][0], plans[i][1])
-            new = b.expand(torch.tensor([state.topk_ids]), torch.tensor([state.topk_probs]))
+            topk_ids, topk_probs = torch.tensor([state.topk_ids]), torch.tensor([state.topk_probs])
+            if requests[i].grammar is not None:  # the extend's top-k was unmasked: redo it from its hidden
+                bias = self._grammar_bias(requests, None, [i], {i: [0]})
+                topk_ids, topk_probs = (t.cpu() for t in self._topk(state.hidden.unsqueeze(0), 0, bias))
+            new = b.expand(topk_ids, topk_probs)
             builders[i] = b
             pred_hidden[i] = {int(n): state.hidden for n in new}  # node -> draft hidden that predicted it
             slots[i] = {}  # node -> scratch slot offset from the root's position
@@ -113,7 +145,8 @@ class EagleProposer(Proposer):
                     masks.append(self._scratch_mask(b, fr, slot_of, (s - 1) * k + len(fr)))
             out = self._run(ids, torch.stack(hidden), positions, q_lens, kv_lens,
                             [requests[i].pages for i in level], step=s, tree_masks=masks or None)
-            top_ids, top_probs = self._topk(out, step=s)
+            bias = self._grammar_bias(requests, builders, level, frontiers)
+            top_ids, top_probs = self._topk(out, step=s, bias=bias)
             row = 0
             for i in level:
                 fr, ph = frontiers[i], pred_hidden[i]
@@ -140,3 +173,12 @@ class EagleProposer(Proposer):
                     mask[f, slot_of[n]] = True
                 n = parents[n]
         return mask
+
+
+def _path_tokens(builder: TreeBuilder, node: int) -> list[int]:
+    """Draft tokens root (excluded) .. node."""
+    parents, tokens, path = builder.parents.tolist(), builder.tokens.tolist(), []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]

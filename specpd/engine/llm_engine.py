@@ -26,6 +26,7 @@ from specpd.engine.scheduler import Scheduler
 from specpd.engine.spec_runner import build_spec_runner
 from specpd.engine.spec_stats import SpecStats
 from specpd.kv.allocator import pages_needed
+from specpd.kv.radix import RadixCache
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
 
@@ -54,7 +55,14 @@ class LLMEngine:
             self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
                                                                self.model_config.num_layers)
         self.decode_width = self.spec_runner.decode_width if self.spec_runner else 1
-        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width)
+        # pages carry draft KV: a cached page needs the token after it to match too (specpd/kv/radix.py)
+        self._draft_kv = self.spec_runner is not None and not self.spec_runner.proposer.model_free
+        self.prefix_cache = (RadixCache(pool.allocator, pool.page_size, lookahead=int(self._draft_kv))
+                             if config.cache.enable_prefix_caching else None)
+        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width,
+                                   cache=self.prefix_cache)
+        if self.prefix_cache is not None and self.runner.handoff_capture is not None:
+            self.scheduler.page_payloads = lambda req, n: _feature_pages(req, n, pool.page_size)  # P, draft-on-decode-only: D needs every feature
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
@@ -70,7 +78,12 @@ class LLMEngine:
     # -- public API ------------------------------------------------------------------------
     @property
     def free_pages(self) -> int:
-        return self.runner.kv_pool.allocator.num_free
+        """Pages no request holds: free, plus cached pages nobody references (evicted on demand)."""
+        return self.runner.kv_pool.allocator.num_available
+
+    def flush_cache(self) -> int:
+        """Drop every unreferenced cached page (SGLang's /flush_cache); returns how many."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     @property
     def total_pages(self) -> int:
@@ -80,6 +93,8 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "free_pages": self.free_pages, "total_pages": self.total_pages,
                 "page_size": self.runner.kv_pool.page_size, **self.counters,
+                "prefix_caching": self.prefix_cache is not None,
+                **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
                 **(self.spec_stats.as_dict() if self.config.spec.enabled else {}), **self._policy_stats(),
                 **(self._grammar.stats.as_dict() if self._grammar is not None else {})}
 
@@ -105,6 +120,8 @@ class LLMEngine:
                     prefill_only: bool = False) -> Request:
         self.validate_request(request_id, prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(), prefill_only=prefill_only)
+        if self._draft_kv:
+            req.draft_kv_len = 0
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         if params.constraint_kind is not None:
@@ -143,9 +160,8 @@ class LLMEngine:
         req = self._handoffs.pop(request_id, None)
         if req is not None:
             req.spec_state = None
-        if req is not None and req.pages:
-            self.scheduler.allocator.free(req.pages)
-            req.pages = []
+            self.scheduler.release_pages(req)
+            req.handoff_hidden = None
 
     def add_prebuilt_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              pages: list[int], handoff_token: int, handoff_logprob: TokenLogprob | None,
@@ -167,6 +183,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         req.pages = list(pages)
         req.num_computed_tokens = len(prompt_token_ids)
+        if self._draft_kv:  # draft-on-both: P's draft KV came in the pages; decode-only: the extend below
+            req.draft_kv_len = len(prompt_token_ids) if draft_state is not None else 0
         req.spec_state = draft_state
         if params.constraint_kind is not None:  # rebuilt from the constraint text; y0 advances it below
             req.grammar = self.grammar.matcher(params.constraint_kind, params.constraint_spec)
@@ -204,8 +222,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending_outputs)
 
-    def step(self) -> list[RequestOutput]:
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside step() (a committed PD handoff's y0): a PD worker streams them at once."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.take_pending_outputs()
         outputs += self._process_aborts()
         batch = self.scheduler.schedule()
         if not batch:
@@ -320,7 +343,8 @@ class LLMEngine:
                              final, req.finish_reason if final else None, req.num_prompt_tokens,
                              new_lps, req.stop_reason, spec_verify_count=req.spec_verify_count,
                              spec_accepted_tokens=req.spec_accepted_tokens,
-                             spec_committed_tokens=req.spec_committed_tokens)
+                             spec_committed_tokens=req.spec_committed_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _handoff(self, req: Request, sampled) -> RequestOutput:
         """Prefill-only: y0 is sampled; keep the pages for the transfer, no stop checks (D applies them)."""
@@ -346,3 +370,13 @@ class LLMEngine:
         (self.spec_runner or self.runner).release(req)
         self.counters["requests_finished"] += 1
         return out
+
+
+def _feature_pages(req: Request, num_pages: int, page_size: int) -> list | None:
+    """Per-page copies of a prefill-only request's target features (P, draft-on-decode-only), or None."""
+    if not req.handoff_hidden:
+        return None
+    feats = torch.cat(req.handoff_hidden)
+    if feats.shape[0] < num_pages * page_size:
+        return None
+    return [feats[k * page_size:(k + 1) * page_size].clone() for k in range(num_pages)]

@@ -12,6 +12,11 @@ A request's life:
   4. When pages run out for running requests, the newest running request is preempted: its pages are
      freed and it returns to the front of the waiting queue to be recomputed (outputs kept).
   5. `finish` (stop / length / abort) frees its pages; the pool's free count returns to its start.
+Prefix cache (`cache`, specpd/kv/radix.py): at admission a request takes the longest cached prefix of its
+tokens (whole pages, never its last token: the step that samples must run) and computes from there; when it
+finishes or is preempted its full valid pages go into the cache instead of the free list (positions below
+`num_computed_tokens`, and below `draft_kv_len` where the pages carry draft KV). Then the invariant is
+free + evictable == total, and the allocator evicts unreferenced cached pages when it runs short.
 """
 from __future__ import annotations
 
@@ -19,14 +24,19 @@ from collections import deque
 from specpd.config import SchedulerConfig
 from specpd.core import Request, RequestStatus, ScheduledBatch, ScheduledItem
 from specpd.kv.allocator import PageAllocator, pages_needed
+from specpd.kv.radix import RadixCache
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, decode_width: int = 1):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, decode_width: int = 1,
+                 cache: RadixCache | None = None):
         self.config = config
         self.decode_width = decode_width
         self.allocator = allocator
         self.page_size = page_size
+        self.cache = cache
+        # set when every cached page carries a payload: (request, num_pages) -> one payload per page, or None (then nothing is cached)
+        self.page_payloads = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._unfinished: dict[str, Request] = {}  # request id -> request, waiting or running
@@ -68,10 +78,50 @@ class Scheduler:
         request.finish_reason = reason
 
     def _release(self, request: Request) -> None:
-        if request.pages:
-            self.allocator.free(request.pages)
-            request.pages = []
+        self.release_pages(request)
         request.num_computed_tokens = 0
+        if request.draft_kv_len is not None:
+            request.draft_kv_len = 0
+
+    def release_pages(self, request: Request, payloads: list | None = None) -> None:
+        """Give back a request's pages: its full valid pages to the prefix cache (if any), the rest freed.
+        `payloads`: one per page, kept with the cached page (PD prefill, decode-only: target features)."""
+        cache = self.cache
+        if cache is None:
+            if request.pages:
+                self.allocator.free(request.pages)
+        else:
+            valid = request.num_computed_tokens
+            if request.draft_kv_len is not None:
+                valid = min(valid, request.draft_kv_len)
+            if payloads is None and self.page_payloads is not None and request.pages:
+                payloads = self.page_payloads(request, valid // self.page_size)
+                if payloads is None:
+                    valid = 0  # pages without the payload every cached page must carry: not cached
+            rest = cache.insert(request.all_token_ids, request.pages, valid, payloads) if request.pages else []
+            cache.unlock(request.cache_node)
+            request.cache_node = None
+            if rest:
+                self.allocator.free(rest)
+        request.pages = []
+
+    def _match_prefix(self, request: Request) -> None:
+        """A waiting request with no KV takes the longest cached prefix (locked until its pages go back)."""
+        if self.cache is None or request.pages or request.cache_node is not None:
+            return
+        tokens = request.all_token_ids
+        m = self.cache.match(tokens, max_tokens=len(tokens) - 1)
+        if not m.pages or (self.page_payloads is not None and any(p is None for p in m.payloads)):
+            return
+        self.cache.lock(m.node)
+        request.cache_node = m.node
+        request.pages = list(m.pages)
+        request.num_computed_tokens = len(m.pages) * self.page_size
+        if request.draft_kv_len is not None:
+            request.draft_kv_len = request.num_computed_tokens
+        if not request.output_token_ids:
+            request.num_cached_tokens = request.num_computed_tokens
+        request.handoff_hidden = list(m.payloads) if self.page_payloads is not None else None
 
     # -- scheduling ------------------------------------------------------------------------
     def _grow(self, request: Request, end: int) -> bool:
@@ -125,6 +175,7 @@ class Scheduler:
         # then admit waiting requests
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running_requests:
             req = self.waiting[0]
+            self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cfg.chunked_prefill_size)
             if not self._grow(req, req.num_computed_tokens + n):
                 break

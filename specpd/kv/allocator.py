@@ -14,15 +14,28 @@ class PageAllocator:
         # LIFO keeps recently freed (cache-warm) pages in use
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
+        # a prefix cache holding unreferenced pages (specpd.kv.radix): evicted from when the free list is short
+        self.reclaimer = None
+
+    @property
+    def num_reclaimable(self) -> int:
+        return self.reclaimer.num_evictable if self.reclaimer is not None else 0
+
+    @property
+    def num_available(self) -> int:
+        """Free pages plus the cached pages no request holds (what an allocation can get)."""
+        return len(self._free) + self.num_reclaimable
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_available
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]

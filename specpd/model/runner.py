@@ -93,7 +93,9 @@ class ModelRunner:
         for it in batch.items:
             req = it.request
             if req.prefill_only:
-                if it.start == 0 or req.handoff_hidden is None:  # a recompute after preemption starts over
+                # a recompute after preemption starts over; a prefix-cache hit starts from the cached
+                # pages' features (the scheduler put them here at admission)
+                if it.start == 0 or req.handoff_hidden is None:
                     req.handoff_hidden = []
                 req.handoff_hidden.append(features[offset:offset + it.num_tokens].clone())
             offset += it.num_tokens

@@ -71,6 +71,9 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
     app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key,
                        on_refused=metrics.observe_rejected)
     app.state.engine = async_engine
+    if hasattr(engine, "stages"):  # PD workers: the TTFT breakdown per stage (disagg/timeline.py)
+        from specpd.disagg.timeline import StageCollector
+        metrics.registry.register(StageCollector(engine.stages, engine.model_name))
     server = _Handlers(engine, async_engine, metrics, role)
 
     app.post("/v1/completions")(server.completions)
@@ -300,6 +303,7 @@ class _Handlers:
                 "config": self.engine.config.to_dict(), "pid": os.getpid(),
                 "free_pages": stats.get("free_pages"), "total_pages": stats.get("total_pages"),
                 "engine_alive": self.async_engine.alive, "num_queued": self.async_engine.num_queued,
+                **({"pd_stages": self.engine.stages.summary()} if hasattr(self.engine, "stages") else {}),
                 "internal_states": [internal]}
 
 

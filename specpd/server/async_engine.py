@@ -120,6 +120,7 @@ class AsyncEngine:
         self._live: set[str] = set()  # engine thread only: admitted, not yet finished
         self._stats: dict[str, Any] = engine.stats()  # replaced (never mutated) by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_first_token = getattr(engine, "on_first_token", None)  # (request id, monotonic time), loop thread
         self._thread: threading.Thread | None = None
 
     # -- lifecycle (loop thread) -----------------------------------------------------------
@@ -195,6 +196,8 @@ class AsyncEngine:
                 stream.first_token_time = now
                 if self.metrics:
                     self.metrics.observe_first_token(now - stream.arrival)
+                if self._on_first_token is not None:  # PD decode: the TTFT breakdown's last stage
+                    self._on_first_token(out.request_id, now)
             if out.finished:
                 stream.finished = True
                 del self._streams[out.request_id]

@@ -106,8 +106,14 @@ class ServerMetrics:
         for name, key, doc in (
                 ("specpd:num_requests_running", "num_running", "Requests in the running batch."),
                 ("specpd:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
-                ("specpd:kv_pages_free", "free_pages", "Free KV cache pages."),
-                ("specpd:kv_pages_total", "total_pages", "Total KV cache pages.")):
+                ("specpd:kv_pages_free", "free_pages", "KV cache pages no request holds (free, or cached "
+                 "and evictable)."),
+                ("specpd:kv_pages_total", "total_pages", "Total KV cache pages."),
+                ("specpd:prefix_cache_pages", "cached_pages", "KV pages held by the prefix cache."),
+                ("specpd:prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+                 "Prompt tokens taken from the prefix cache since start."),
+                ("specpd:prefix_cache_query_tokens", "prefix_cache_query_tokens",
+                 "Prompt tokens looked up in the prefix cache since start.")):
             gauge = Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
             gauge.set_function(lambda key=key: float(stats().get(key, 0)))
         r.register(_SpecCollector(stats, model_name))

@@ -32,7 +32,9 @@ def error_body(message: str, param: str | None, code: int,
 
 def usage(out: RequestOutput) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-                            "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+                            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+                            # OpenAI's field: prompt tokens whose KV came from the prefix cache
+                            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
     if out.spec_verify_count:
         body.update(spec_verify_count=out.spec_verify_count, spec_accepted_tokens=out.spec_accepted_tokens,
                     spec_accept_length=out.spec_accept_length)

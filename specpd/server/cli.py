@@ -43,6 +43,8 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a 
          "max_model_len": "context length (default: the model's)",
          "num_pages": "KV pages to allocate (overrides --kv-cache-memory-mb)",
          "chunked_prefill_size": "largest prefill chunk one request may take in a step",
+         "enable_prefix_caching": "reuse the KV of cached prompt prefixes (radix cache; also "
+                                  "--disable-prefix-caching, SGLang's --disable-radix-cache)",
          "draft_mode": "PD with a draft model: 'both' (P runs the draft extend and sends the draft KV) or "
                        "'decode-only' (P sends the target hidden states, D runs the draft extend)"}
 
@@ -85,6 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest="engine." + ".".join(path), type=flag_type, default=None,
                                choices=_CHOICES.get(f.name), metavar=None if f.name in _CHOICES else f.name.upper(),
                                help=help_text)
+    # the names SGLang and vLLM users type for turning prefix caching off
+    group.add_argument("--disable-prefix-caching", "--disable-radix-cache", dest="engine.cache.enable_prefix_caching",
+                       action="store_const", const=False, default=None, help="turn prefix caching off")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -75,3 +75,27 @@ def test_streaming_with_speculation(server):
     assert usage["completion_tokens"] >= 1 and usage["spec_verify_count"] >= 1 and text
     info = client.get("/server_info").json()
     assert info["free_pages"] == info["total_pages"]
+
+
+def test_prefix_cache_usage_metrics_and_flush(server):
+    """A second chat sharing a long system prompt reports OpenAI's cached_tokens; /flush_cache empties it."""
+    client = server["client"]
+    system = "You answer questions about the solar system in one short sentence. " * 6
+    outs = []
+    for q in ("How many moons does Mars have?", "Which planet is largest?"):
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            "max_tokens": 6, "temperature": 0}).json()
+        outs.append(body["usage"])
+    assert outs[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = outs[1]["prompt_tokens_details"]["cached_tokens"]
+    assert 64 <= cached < outs[1]["prompt_tokens"], outs
+    metrics = client.get("/metrics").text
+    hits = [float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("specpd:prefix_cache_hit_tokens{")]
+    assert hits and hits[0] >= cached
+    info = client.get("/server_info").json()
+    assert info["cached_pages"] > 0 and info["free_pages"] == info["total_pages"]
+    flushed = client.post("/flush_cache").json()
+    assert flushed["flushed_pages"] == info["cached_pages"] and flushed["free_pages"] == info["total_pages"]
+    assert client.get("/server_info").json()["cached_pages"] == 0

@@ -9,8 +9,8 @@ nothing else does). Masks are read from that state without changing it:
     path root..node (xgrammar walks the tree with accept / rollback in C++), so verify compares each node
     against the target distribution *masked at that node*; a draft token the grammar refuses has
     probability 0 under its parent's mask and is never accepted;
-  - `allowed_after(grammar, paths)`: bool [len(paths), vocab] for the drafter, which masks its own
-    proposals with it.
+  - `mask_after(grammar, paths)`: 0 / -inf [len(paths), vocab] for the drafter, which masks its own
+    proposals with it (through d2t for a reduced draft vocabulary).
 Rows for states past the end (after EOS) or past a refused token are left unmasked: nothing after them
 is committed.
 """
@@ -130,14 +130,14 @@ def mask_tree_logits(logits: torch.Tensor, grammar: RequestGrammar, tokens: torc
     grammar.stats.mask_calls += 1
 
 
-def allowed_after(grammar: RequestGrammar, paths: list[list[int]]) -> torch.Tensor:
-    """bool [len(paths), vocab]: the tokens the grammar allows after committed output + each path."""
+def mask_after(grammar: RequestGrammar, paths: list[list[int]]) -> torch.Tensor:
+    """float32 [len(paths), vocab]: 0 where the grammar allows the token after committed output + path,
+    -inf elsewhere (rows for a refused path are all 0). The drafter adds it to its own logits."""
     t0 = time.perf_counter()
-    bitmask = grammar.paths_bitmask(paths)
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(paths), -1)[:, :grammar.vocab_size]
+    bias = torch.zeros(len(paths), grammar.vocab_size)
+    _apply(bias, grammar.paths_bitmask(paths), None, grammar.vocab_size)
     grammar.stats.mask_seconds += time.perf_counter() - t0
-    return allowed
+    return bias
 
 
 def _new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specpd.core import InvalidRequest
-from specpd.grammar.matcher import allowed_after, mask_logits, mask_tree_logits
+from specpd.grammar.matcher import mask_after, mask_logits, mask_tree_logits
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
                      "required": ["n", "s"]})
@@ -83,7 +83,7 @@ def test_tree_masks_equal_walking_each_path(backend, smollm2):
     logits = torch.zeros(len(tokens), backend.vocab_size)
     mask_tree_logits(logits, g, tokens, parents)
     paths = {0: [], 1: [one], 2: [one, two], 3: [two], 5: [one, two, close]}
-    want = allowed_after(g, list(paths.values()))
+    want = torch.isfinite(mask_after(g, list(paths.values())))
     for row, (node, path) in enumerate(paths.items()):
         assert torch.equal(torch.isfinite(logits[node]), want[row]), (node, path)
     assert not torch.isfinite(logits[0, x]) and torch.isfinite(logits[0, one])

@@ -94,7 +94,12 @@ class KVDestination:
     room: int
     transfer_session: str  # TransferBackend.session_id of D
     pools: tuple[PoolLayout, ...]
-    dst_page_ids: list[int]  # len == ceil(prompt_len / page_size)
+    dst_page_ids: list[int]  # pages from cached_tokens / page_size on: len == ceil(N / ps) - cached_tokens / ps
+    # D's prefix cache already holds KV (target and draft) for positions < cached_tokens (whole pages): P sends
+    # only the pages after them and, draft-on-decode-only, only the target features from cached_tokens on
+    cached_tokens: int = 0
+    # D holds so much of the prompt that it prefills the rest itself: P drops the room and answers at once
+    prefill_locally: bool = False
 
 
 @dataclass
@@ -116,7 +121,8 @@ class HandoffRecord:
     draft_topk_probs: torch.Tensor | None = None  # [topk] float32
     draft_hidden: torch.Tensor | None = None  # [H_draft] draft recurrent hidden at position N-1
     # draft-on-decode-only: D runs the draft extend from these
-    target_hidden: torch.Tensor | None = None  # [N, H_in] (EAGLE-3: fused low/mid/high aux layers)
+    target_hidden: torch.Tensor | None = None  # [N - hidden_start, H_in] (EAGLE-3: fused low/mid/high aux layers)
+    hidden_start: int = 0  # the first position target_hidden covers (D's cached_tokens: D has the draft KV before)
 
     def validate(self) -> "HandoffRecord":
         if self.draft_mode not in DRAFT_MODES:
@@ -126,8 +132,9 @@ class HandoffRecord:
         missing = [name for name in need if getattr(self, name) is None]
         if missing:
             raise ValueError(f"handoff record for room {self.room} in draft_mode={self.draft_mode!r} lacks {missing}")
-        if self.target_hidden is not None and self.target_hidden.shape[0] != self.prompt_len:
-            raise ValueError(f"target_hidden has {self.target_hidden.shape[0]} rows, prompt_len is {self.prompt_len}")
+        if self.target_hidden is not None and self.target_hidden.shape[0] != self.prompt_len - self.hidden_start:
+            raise ValueError(f"target_hidden has {self.target_hidden.shape[0]} rows for positions "
+                             f"{self.hidden_start}..{self.prompt_len - 1}")
         if (self.draft_topk_ids is None) != (self.draft_topk_probs is None):
             raise ValueError("draft_topk_ids and draft_topk_probs come together")
         if (self.top_logprob_ids is None) != (self.top_logprobs is None):

@@ -166,32 +166,36 @@ class LLMEngine:
     def add_prebuilt_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              pages: list[int], handoff_token: int, handoff_logprob: TokenLogprob | None,
                              draft_state=None, target_hidden: torch.Tensor | None = None,
-                             sampler_state: torch.Tensor | None = None) -> Request:
+                             sampler_state: torch.Tensor | None = None, cache_node=None,
+                             cached_tokens: int = 0) -> Request:
         """Commit P's handoff: `pages` (allocated from this engine's allocator) hold KV for positions
         0..N-1, y0 is appended (stop checks apply) and has no KV yet; the next step decodes it. No target
         forward. With speculation: draft-on-both, `draft_state` is P's first-round proposal (the draft KV
         came in the same pages); draft-on-decode-only, `target_hidden` [N, H_in] are the prompt's target
         features and the draft extend over the prompt runs here, exactly as the colocated engine runs it
-        after its prefill. `sampler_state`: the request generator's state on P after sampling y0."""
+        after its prefill. `sampler_state`: the request generator's state on P after sampling y0.
+        `cache_node` / `cached_tokens`: the first pages came from this engine's prefix cache (locked at D's
+        prealloc; target and draft KV below `cached_tokens`); `target_hidden` then covers the positions after."""
         needs_hidden = self.spec_runner is not None and self.spec_runner.proposer.needs_hidden
         if needs_hidden and draft_state is None and target_hidden is None:
             raise ValueError(f"request {request_id!r}: a handoff to a speculative decode server needs P's "
                              f"draft state (draft-on-both) or the prompt's target hidden states (decode-only)")
-        if target_hidden is not None and target_hidden.shape[0] != len(prompt_token_ids):
+        if target_hidden is not None and target_hidden.shape[0] != len(prompt_token_ids) - cached_tokens:
             raise ValueError(f"request {request_id!r}: target_hidden has {target_hidden.shape[0]} rows for a "
-                             f"{len(prompt_token_ids)}-token prompt")
+                             f"{len(prompt_token_ids)}-token prompt with {cached_tokens} cached")
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         req.pages = list(pages)
         req.num_computed_tokens = len(prompt_token_ids)
+        req.cache_node, req.num_cached_tokens = cache_node, cached_tokens
         if self._draft_kv:  # draft-on-both: P's draft KV came in the pages; decode-only: the extend below
-            req.draft_kv_len = len(prompt_token_ids) if draft_state is not None else 0
+            req.draft_kv_len = len(prompt_token_ids) if draft_state is not None else cached_tokens
         req.spec_state = draft_state
         if params.constraint_kind is not None:  # rebuilt from the constraint text; y0 advances it below
             req.grammar = self.grammar.matcher(params.constraint_kind, params.constraint_spec)
         if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
             gen.set_state(sampler_state)
         if needs_hidden and draft_state is None:
-            self._draft_extend_prompt(req, handoff_token, target_hidden)
+            self._draft_extend_prompt(req, handoff_token, target_hidden, cached_tokens)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         self.scheduler.add_running(req)
@@ -203,18 +207,20 @@ class LLMEngine:
         self._pending_outputs.append(out)
         return req
 
-    def _draft_extend_prompt(self, req: Request, handoff_token: int, target_hidden: torch.Tensor) -> None:
+    def _draft_extend_prompt(self, req: Request, handoff_token: int, target_hidden: torch.Tensor,
+                             first: int = 0) -> None:
         """Draft-on-decode-only: the draft extend the colocated engine runs after each prefill chunk
-        (SpecRunner._prefill: tokens x_{s+1}..x_{s+n}, y0 last, with the target features of s..s+n-1)."""
+        (SpecRunner._prefill: tokens x_{s+1}..x_{s+n}, y0 last, with the target features of s..s+n-1), from
+        position `first` (the draft KV before it is in D's cached pages; target_hidden starts there)."""
         n = len(req.prompt_token_ids)
         shifted = req.prompt_token_ids[1:] + [handoff_token]
         hidden = target_hidden.to(self.runner.device)
         chunk = self.config.scheduler.chunked_prefill_size or n
         with torch.inference_mode():
-            for start in range(0, n, chunk):
+            for start in range(first, n, chunk):
                 end = min(n, start + chunk)
-                self.spec_runner.proposer.extend([DraftExtend(req, start, shifted[start:end], hidden[start:end],
-                                                              at_end=end == n)])
+                self.spec_runner.proposer.extend([DraftExtend(req, start, shifted[start:end],
+                                                              hidden[start - first:end - first], at_end=end == n)])
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)

@@ -76,9 +76,9 @@ class RadixCache:
         return tuple(tokens[k * ps:end]) if end <= len(tokens) else None
 
     # -- lookups ---------------------------------------------------------------------------
-    def match(self, tokens: list[int], max_tokens: int | None = None) -> PrefixMatch:
+    def match(self, tokens: list[int], max_tokens: int | None = None, count: bool = True) -> PrefixMatch:
         """Longest cached prefix of `tokens` in whole pages, covering at most `max_tokens` tokens (the caller
-        keeps at least the last prompt token to compute). Does not lock; counts hit and query tokens."""
+        keeps at least the last prompt token to compute). Does not lock; counts hit and query tokens (`count`)."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         node, pages, payloads = self.root, [], []
         now = next(self._clock)
@@ -91,8 +91,9 @@ class RadixCache:
             node = child
             pages.append(child.page)
             payloads.append(child.payload)
-        self.query_tokens += len(tokens)
-        self.hit_tokens += len(pages) * self.page_size
+        if count:
+            self.query_tokens += len(tokens)
+            self.hit_tokens += len(pages) * self.page_size
         return PrefixMatch(node if pages else None, pages, payloads)
 
     def lock(self, node: RadixNode | None) -> None:

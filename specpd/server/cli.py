@@ -159,7 +159,8 @@ def serve(args: argparse.Namespace) -> int:
         from specpd.disagg.decode import DecodeWorker
         engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
                               prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
-                              heartbeat_timeout_s=args.pd_heartbeat_timeout)
+                              heartbeat_timeout_s=args.pd_heartbeat_timeout,
+                              local_prefill_tokens=args.pd_local_prefill_tokens)
     from specpd.server.admission import warn_if_open
     api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
     warn_if_open(args.host, api_key, f"the {args.role} server")
@@ -288,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(waiting for transfer) (default: 60)")
     pd.add_argument("--pd-heartbeat-timeout", type=float, default=10.0, metavar="S",
                     help="decode: a prefill server silent for S seconds while it owes rooms is dead (default: 10)")
+    pd.add_argument("--pd-local-prefill-tokens", type=int, default=128, metavar="N",
+                    help="decode: when its prefix cache holds all of a prompt but at most N tokens (a multi-turn "
+                         "chat's new message), D prefills them itself instead of a round trip to P; 0: never "
+                         "(default: 128)")
     pd.add_argument("--pd-abort-timeout", type=float, default=30.0, metavar="S",
                     help="decode: free an aborted room's pages after S seconds without the prefill server's "
                          "confirmation (a frozen P could still write) (default: 30)")

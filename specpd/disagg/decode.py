@@ -45,6 +45,7 @@ from specpd.disagg.bootstrap import BootstrapUnreachable, Route, fetch_route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
                                     KVDestination, PeerConfig, TransferDone, TransferFailed, check_compatible,
                                     encode)
+from specpd.disagg.timeline import between, describe
 from specpd.disagg.worker import CONTROL_TICK_S, BootstrapInfo, ControlThread, DisaggWorker
 from specpd.draft.proposer import DraftState
 from specpd.kv.allocator import pages_needed
@@ -162,6 +163,14 @@ class _Room:
     sent_at: float = 0.0  # monotonic time KVDestination went to P (the wait for P starts)
     record_at: float | None = None  # monotonic time the HandoffRecord arrived (the wait for the KV starts)
     error: str | None = None  # why D gave up on the room (reported once its pages are safe to free)
+    marks: dict = field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
+
+
+# (stage, start mark, end mark): timeline.py's D stages
+_D_STAGES = [("d_admit", "received", "queued"), ("d_prealloc", "queued", "offered"),
+             ("d_wait_record", "offered", "record"), ("d_wait_kv", "record", "kv_done"),
+             ("d_commit", "ready", "committed"), ("d_first_token_out", "committed", "first_token"),
+             ("d_ttft", "received", "first_token")]
 
 
 class DecodeWorker(DisaggWorker):
@@ -181,6 +190,7 @@ class DecodeWorker(DisaggWorker):
         self._routes: dict[tuple[str, int], tuple[Route, float]] = {}
         self._routes_by_request: dict[str, Route] = {}
         self.prealloc_queue: list[_Room] = []
+        self._committed: dict[str, _Room] = {}  # request id -> committed room whose y0 is not out yet
         self.transfer_queue: dict[int, _Room] = {}
         self.control = DecodeControl(self).start()
 
@@ -189,7 +199,7 @@ class DecodeWorker(DisaggWorker):
         """Find P and check it serves what we serve; raises InvalidRequest (-> 400) naming both values, or
         BootstrapUnreachable (-> 502) when P's bootstrap server does not answer."""
         key = (info.host, info.port)
-        now = time.monotonic()
+        now = received_at = time.monotonic()
         with self._lock:
             route, fetched = self._routes.get(key, (None, 0.0))
         # trust a cached route only while its P was heard (or asked) within ROUTE_TRUST_S: no P restarts that
@@ -208,7 +218,7 @@ class DecodeWorker(DisaggWorker):
             raise InvalidRequest("bootstrap_host", str(e)) from None
         with self._lock:
             self._routes_by_request[request_id] = route
-        self.expect(request_id, info)
+        self.expect(request_id, info, received_at)
 
     def _forget_route(self, endpoint: str) -> None:
         """P behind `endpoint` is gone or silent: the next request asks its bootstrap server again."""
@@ -218,13 +228,14 @@ class DecodeWorker(DisaggWorker):
 
     # -- engine interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        info = self._take_expected(request_id)
+        info, received_at = self._take_expected(request_id)
         with self._lock:
             route = self._routes_by_request.pop(request_id)
         self.engine.validate_request(request_id, prompt_token_ids, params)
         if any(r.info.room == info.room for r in self.prealloc_queue) or info.room in self.transfer_queue:
             raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this decode server")
-        self.prealloc_queue.append(_Room(request_id, list(prompt_token_ids), params, info, route))
+        self.prealloc_queue.append(_Room(request_id, list(prompt_token_ids), params, info, route,
+                                         marks={"received": received_at, "queued": time.monotonic()}))
 
     def abort_request(self, request_id: str) -> None:
         for room in self.prealloc_queue:
@@ -261,9 +272,10 @@ class DecodeWorker(DisaggWorker):
             return
         if isinstance(msg, HandoffRecord):
             room.record = msg
-            room.record_at = arrived_at
+            room.record_at = room.marks["record"] = arrived_at
         elif isinstance(msg, TransferDone):
             room.done = msg
+            room.marks["kv_done"] = arrived_at
         elif isinstance(msg, (TransferFailed, AbortAck)):  # P has no write in flight into the room's pages
             del self.transfer_queue[room.info.room]
             self.engine.scheduler.allocator.free(room.pages)
@@ -334,6 +346,7 @@ class DecodeWorker(DisaggWorker):
                 break
             self.prealloc_queue.pop(0)
             room.pages = allocator.alloc(need)
+            room.marks["offered"] = time.monotonic()  # before the send: P may start before this thread resumes
             endpoint = room.route.zmq_endpoint
             self._send(endpoint, DecodeRegister(room.info.room, "", self.peer_config))
             self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
@@ -367,6 +380,27 @@ class DecodeWorker(DisaggWorker):
             except ValueError as e:  # a record that does not fit this server: fail the request, keep serving
                 allocator.free(room.pages)
                 self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"bad handoff: {e}")
+                continue
+            room.marks["ready"] = max(room.marks["record"], room.marks["kv_done"])
+            room.marks["committed"] = time.monotonic()
+            with self._lock:
+                self._committed[room.request_id] = room
+                while len(self._committed) > 4096:  # a y0 whose stream was gone before it left: forget it
+                    self._committed.pop(next(iter(self._committed)))
+
+    def on_first_token(self, request_id: str, at: float) -> None:
+        """The event loop handed the request's first token (y0) to its HTTP stream at `at` (monotonic):
+        the room's stages are complete (timeline.py)."""
+        with self._lock:
+            room = self._committed.pop(request_id, None)
+        if room is None:
+            return
+        room.marks["first_token"] = at
+        durations = between(room.marks, _D_STAGES)
+        self.stages.observe(durations)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("room %d %s (%d tokens): %s", room.info.room, request_id, len(room.prompt_token_ids),
+                         describe(durations))
 
     def close(self) -> None:
         super().close()

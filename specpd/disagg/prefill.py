@@ -40,6 +40,7 @@ from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
                                     KVDestination, TransferDone, TransferFailed, check_compatible, encode)
+from specpd.disagg.timeline import between, describe
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo, ControlThread, DisaggWorker
 
@@ -56,6 +57,16 @@ class _Room:
     destination: KVDestination | None = None
     handle: object = None  # TransferHandle while in flight
     added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
+    marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
+    chunks: list = dataclasses.field(default_factory=list)  # (start, end) of each prefill chunk's engine step
+    computed: int = 0  # prompt tokens with KV as of the last engine step (a new chunk when it grows)
+
+
+# (stage, start mark, end mark): timeline.py's P stages
+_P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued", "admitted"),
+             ("p_queue", "admitted", "prefill_start"), ("p_prefill", "prefill_start", "prefill_end"),
+             ("p_record", "prefill_end", "record"), ("p_kv_submit", "record", "kv_submitted"),
+             ("p_kv_write", "kv_submitted", "kv_done"), ("p_total", "received", "kv_done")]
 
 
 class PrefillControl(ControlThread):
@@ -146,12 +157,13 @@ class PrefillWorker(DisaggWorker):
 
     # -- engine interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        info = self._take_expected(request_id)
+        info, received_at = self._take_expected(request_id)
         self.engine.validate_request(request_id, prompt_token_ids, params)
         if self._room_in_use(info.room):
             raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this prefill server")
-        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info,
-                                                added_at=time.monotonic())
+        now = time.monotonic()
+        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info, added_at=now,
+                                                marks={"received": received_at, "queued": now})
 
     def _room_in_use(self, room: int) -> bool:
         return (room in self.bootstrap_queue or room in self.inflight
@@ -207,7 +219,18 @@ class PrefillWorker(DisaggWorker):
         if forget and registered is not None:
             self.control.command(b"forget", str(room).encode())
 
+    def _note_chunks(self) -> None:
+        """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py)."""
+        start, end = self.last_step
+        for rid, room in self.prefilling.items():
+            req = self.engine.scheduler.find(rid) or self.engine.take_handoff(rid)
+            computed = req.num_computed_tokens if req is not None else 0
+            if computed > room.computed:
+                room.chunks.append((start, end))
+            room.computed = computed
+
     def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        self._note_chunks()
         passed = []
         for out in outputs:
             room = self.prefilling.pop(out.request_id, None)
@@ -241,6 +264,7 @@ class PrefillWorker(DisaggWorker):
             except Exception as e:  # noqa: BLE001 - validated at add; report rather than kill the thread
                 self._fail(room, f"prefill rejected: {e}", notify_decode=True)
                 continue
+            room.marks["admitted"] = time.monotonic()
             self.prefilling[room.request_id] = room
         for room_id, room in list(self.inflight.items()):
             status = room.handle.poll()
@@ -259,6 +283,7 @@ class PrefillWorker(DisaggWorker):
                 self.control.send(room.identity, TransferDone(room_id, result.num_pages, result.num_bytes),
                                   end_room=room_id)
                 self._final(room.request_id, len(room.prompt_token_ids), "handoff")
+                self._observe(room)
             else:
                 self._fail(room, f"KV transfer failed: {result.error}", notify_decode=True)
 
@@ -279,13 +304,27 @@ class PrefillWorker(DisaggWorker):
         # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
         # is not holding the GIL for it while the writer thread needs it around its transfer call
         self.control.send(room.identity, record)
+        room.marks["record"] = time.monotonic()
         try:
             room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
         except ValueError as e:  # D drops the record on the TransferFailed that follows
             self.engine.release_handoff(room.request_id)
             self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
             return
+        room.marks["kv_submitted"] = time.monotonic()
         self.inflight[room.info.room] = room
+
+    def _observe(self, room: _Room) -> None:
+        """A handed-off room's stage durations: into `stages` (/metrics) and P's debug log."""
+        room.marks["kv_done"] = time.monotonic()
+        if room.chunks:
+            room.marks["prefill_start"], room.marks["prefill_end"] = room.chunks[0][0], room.chunks[-1][1]
+        durations = between(room.marks, _P_STAGES)
+        durations["p_prefill_chunk"] = [end - start for start, end in room.chunks]
+        self.stages.observe(durations)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("room %d %s (%d tokens, %d chunks): %s", room.info.room, room.request_id,
+                         len(room.prompt_token_ids), len(room.chunks), describe(durations))
 
     def _draft_fields(self, req) -> dict:
         if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features

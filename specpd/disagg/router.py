@@ -13,6 +13,7 @@ A request's life in the router:
      aborts the room) and the client gets P's error. If D refuses (e.g. a config mismatch, HTTP 400), P's
      request is dropped and the client gets D's error. A refusal keeps its status, body and Retry-After
      (400 / 413 / 503 reach the client as P or D sent them); only an unreachable server becomes 502.
+/metrics: the router's stages of the TTFT breakdown (specpd/disagg/timeline.py); `pd_stages` in /server_info.
 /server_info (also /get_server_info): `prefill` and `decode` list one object per server, its URL plus its
 own /server_info, so SGLang's bench_serving finds `decode[0]["internal_states"][0]["avg_spec_accept_length"]`.
 """
@@ -22,14 +23,17 @@ import asyncio
 import json
 import os
 import random
+import time
 from contextlib import asynccontextmanager
 from urllib.parse import urlparse
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
+from specpd.disagg.timeline import StageCollector, StageStats
 from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
 
 _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
@@ -70,6 +74,9 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             await state["client"].aclose()
 
     app = FastAPI(title="specpd router", lifespan=lifespan)
+    stages = StageStats()  # router_* stages of the TTFT breakdown (timeline.py), on the router's clock
+    registry = CollectorRegistry()
+    registry.register(StageCollector(stages, "router"))
     app.add_middleware(Admission, max_request_bytes=max_request_bytes, api_key=api_key)
 
     async def bootstrap_address(url: str) -> tuple[str, int]:
@@ -87,6 +94,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         return known
 
     async def generate(raw: Request, path: str):
+        received = time.monotonic()
         try:
             body = await asyncio.to_thread(json.loads, await raw.body())  # bounded by the middleware
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -99,6 +107,12 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         client: httpx.AsyncClient = state["client"]
         p_body = {k: v for k, v in body.items() if k != "stream_options"}  # only valid with stream=true
         prefill = asyncio.ensure_future(client.post(prefill_url + path, json={**p_body, "stream": False}))
+
+        def prefill_answered(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None and f.result().status_code == 200:
+                stages.observe({"router_prefill_done": time.monotonic() - received})
+
+        prefill.add_done_callback(prefill_answered)
 
         async def prefill_failure() -> Response | None:
             """None once P handed the KV off; else what the client gets (P's refusal as P sent it)."""
@@ -124,6 +138,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             watcher.cancel()
             prefill.cancel()
             return _error(f"decode server unreachable: {e!r}", 502)
+        if decode_resp.status_code == 200:
+            stages.observe({"router_decode_headers": time.monotonic() - received})
         if decode_resp.status_code != 200:
             content = await decode_resp.aread()
             await decode_resp.aclose()
@@ -148,6 +164,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         async def relay():
             chunks = decode_resp.aiter_raw().__aiter__()
             nxt = None
+            first = True
             try:
                 while True:
                     nxt = asyncio.ensure_future(chunks.__anext__())
@@ -164,13 +181,17 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                                    + "\n\n" + "data: [DONE]\n\n").encode()
                             return
                     try:
-                        yield nxt.result()
+                        chunk = nxt.result()
                     except StopAsyncIteration:
                         return
                     except httpx.HTTPError as e:  # D died mid-stream: the status is sent, the error goes in-band
                         yield ("data: " + json.dumps({"error": {"message": f"decode server failed mid-stream: {e!r}",
                                                                 "code": 502}}) + "\n\n" + "data: [DONE]\n\n").encode()
                         return
+                    if first:  # D streams nothing before its first output (y0): this is the first token
+                        first = False
+                        stages.observe({"router_ttft": time.monotonic() - received})
+                    yield chunk
             finally:
                 watcher.cancel()
                 if nxt is not None and not nxt.done():  # the client left mid-stream: no orphaned read
@@ -198,6 +219,10 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         results = await asyncio.gather(*(state["client"].get(u + path, timeout=timeout) for u in urls),
                                        return_exceptions=True)
         return list(zip(urls, results))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
@@ -228,7 +253,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         committed = sum((b.get("spec_accept_length") or 0) * (b.get("spec_verify_count") or 0) for b in decode)
         tau = committed / verify if verify else None
         live = [b for b in backends.values() if "error" not in b]
-        return {"role": "router", "pid": os.getpid(),
+        return {"role": "router", "pid": os.getpid(), "pd_stages": stages.summary(),
                 "prefill": [backends[u] for u in prefill_urls], "decode": [backends[u] for u in decode_urls],
                 "bootstrap_port": bootstrap_port, "config": {"prefill": prefill_urls, "decode": decode_urls},
                 "free_pages": sum(b.get("free_pages") or 0 for b in live),

@@ -18,6 +18,8 @@ page, same page size, same number of pages per call) between two engines of this
 (3 passes; best and median): for the short workload's 16 requests (kv_short) and for every request of the
 run, short then mixed (kv_all: 34 requests, the larger sample).
 tau: committed tokens per verify forward from the usage of every request; PD / unified per mode.
+TTFT breakdown (PD configs): the router's, P's and D's stage durations (specpd/disagg/timeline.py), each on its
+own server's clock, per workload: mean over the workload's requests, p50 / p99 over each server's recent window.
 
   python evals/bench_pd.py --draft-model default --algorithm eagle3    # -> evals/results/pd.json
   python evals/bench_pd.py --quick --draft-model DIR                   # smoke -> $TMPDIR
@@ -110,6 +112,33 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
     n = len(tokens)
     return {"prompt_tokens": len(prompt), "ttft_s": first - t0, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
             "e2e_s": last - t0, "tokens": tokens, "usage": usage}
+
+
+def stage_snapshot(urls: list[str]) -> dict:
+    """The TTFT breakdown (specpd/disagg/timeline.py) of the router, P and D: {stage: {count, sum_s, p50_ms, ...}}."""
+    merged = {}
+    for url in urls:
+        merged.update(httpx.get(url + "/server_info").json().get("pd_stages") or {})
+    return merged
+
+
+def stage_breakdown(before: dict, after: dict) -> dict:
+    """Per stage over one workload: mean from the count and sum deltas (exact for the workload), p50 / p99 from
+    each server's recent window as of `after` (the workloads before it included)."""
+    out = {}
+    for stage, a in after.items():
+        b = before.get(stage, {"count": 0, "sum_s": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            out[stage] = {"count": n, "mean_ms": round(1000 * (a["sum_s"] - b["sum_s"]) / n, 3),
+                          "p50_ms_window": a["p50_ms"], "p99_ms_window": a["p99_ms"]}
+    return out
+
+
+def log_breakdown(title: str, breakdown: dict) -> None:
+    log(f"   TTFT breakdown, {title} (each stage on its own server's clock; mean / p50 / p99 ms, count):")
+    for stage, v in breakdown.items():
+        log(f"     {stage:22s} {v['mean_ms']:9.2f} {v['p50_ms_window']:9.2f} {v['p99_ms_window']:9.2f}  {v['count']}")
 
 
 def run_workload(url: str, prompts: list[list[int]], delays: list[float], max_tokens: int) -> list[dict]:
@@ -247,10 +276,13 @@ def main() -> int:
             assert all("error" not in r for r in warm), warm
             p_url = urls[1] if kind == "pd" else None
             before = httpx.get(p_url + "/server_info").json() if p_url else {}
+            stages0 = stage_snapshot(urls) if p_url else {}
             rows_short = run_workload(url, short, delays, args.max_tokens)
             mid = httpx.get(p_url + "/server_info").json() if p_url else {}
+            stages1 = stage_snapshot(urls) if p_url else {}
             rows_mixed = run_workload(url, mixed_prompts, mixed_delays, args.max_tokens)
             after = httpx.get(p_url + "/server_info").json() if p_url else {}
+            stages2 = stage_snapshot(urls) if p_url else {}
             d_info = httpx.get(urls[2] + "/server_info").json() if p_url else httpx.get(url + "/server_info").json()
         entry = {"short": summarize(rows_short), "mixed_all": summarize(rows_mixed),
                  "mixed_short_only": summarize(rows_mixed, short_idx),
@@ -259,6 +291,8 @@ def main() -> int:
             entry["kv_short"], entry["kv_mixed"] = kv_delta(before, mid), kv_delta(mid, after)
             entry["kv_all"] = kv_delta(before, after)
             entry["kv_pages_per_request_short"] = [-(-len(p) // 16) for p in short]
+            entry["ttft_breakdown_short"] = stage_breakdown(stages0, stages1)
+            entry["ttft_breakdown_mixed"] = stage_breakdown(stages1, stages2)
         entry["pages_back_to_total"] = d_info.get("free_pages") == d_info.get("total_pages")
         results[name] = entry
         outputs[name] = [r.get("tokens") for r in rows_short + rows_mixed]
@@ -268,6 +302,8 @@ def main() -> int:
         log(f"   mixed (short requests): TPOT p99 {m['tpot_p99_s'] * 1e3:.0f} ms  TTFT p99 {m['ttft_p99_s']:.2f}")
         if p_url:
             log(f"   kv: {entry['kv_short']['mb_per_s']} MB/s, {entry['kv_short']['descriptors_per_request']} desc/req")
+            log_breakdown("short", entry["ttft_breakdown_short"])
+            log_breakdown("mixed", entry["ttft_breakdown_mixed"])
     ratios = {}
     for pd_name, uni_name in (("pd", "unified"), ("pd_spec_both", "unified_spec"), ("pd_spec_decode_only", "unified_spec")):
         if pd_name in results and uni_name in results:

@@ -157,6 +157,8 @@ class _Room:
     info: BootstrapInfo
     route: Route
     pages: list[int] = field(default_factory=list)
+    cache_node: object = None  # the prefix-cache path the first pages come from (locked until commit / free)
+    cached_tokens: int = 0  # positions < this are in D's cached pages: P sends nothing for them
     record: HandoffRecord | None = None
     done: TransferDone | None = None
     aborted_at: float | None = None  # monotonic time D sent Abort
@@ -178,12 +180,15 @@ class DecodeWorker(DisaggWorker):
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", abort_timeout_s: float = 30.0,
                  prefill_timeout_s: float = 300.0, transfer_timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 10.0):
+                 heartbeat_timeout_s: float = 10.0, local_prefill_tokens: int = 128):
         super().__init__(engine, transfer_backend, host)
         self.abort_timeout_s = abort_timeout_s
         self.prefill_timeout_s = prefill_timeout_s  # KVDestination sent -> HandoffRecord (P queued + prefilled)
         self.transfer_timeout_s = transfer_timeout_s  # HandoffRecord -> TransferDone (the KV writes)
         self.heartbeat_timeout_s = heartbeat_timeout_s  # P silent this long while it owes us rooms: dead
+        # a prompt whose prefix D's cache holds up to at most this many tokens is prefilled here, not on P
+        self.local_prefill_tokens = local_prefill_tokens
+        self.local_prefills = 0
         self._silent_since: dict[str, float] = {}  # P's endpoint -> when the heartbeat rule last fired for it
         self.name = f"decode@{host}:{os.getpid()}"
         # P's bootstrap address -> (route, monotonic fetch time); HTTP handler threads and the engine thread
@@ -258,6 +263,7 @@ class DecodeWorker(DisaggWorker):
 
     def stats(self) -> dict:
         return {**super().stats(), "pd_heartbeat_rtt_ms": self.control.rtt_ms(),
+                "pd_local_prefills": self.local_prefills,
                 "pd_prefill_load": {e: hb.load for e, hb in list(self.control.load.items())}}
 
     # -- stages ----------------------------------------------------------------------------
@@ -278,7 +284,7 @@ class DecodeWorker(DisaggWorker):
             room.marks["kv_done"] = arrived_at
         elif isinstance(msg, (TransferFailed, AbortAck)):  # P has no write in flight into the room's pages
             del self.transfer_queue[room.info.room]
-            self.engine.scheduler.allocator.free(room.pages)
+            self._free_pages(room)
             if room.aborted_at is None:
                 self._final(room.request_id, len(room.prompt_token_ids), "abort",
                             error=f"prefill server failed the handoff: {msg.reason}")
@@ -326,7 +332,7 @@ class DecodeWorker(DisaggWorker):
             for room in waiting:
                 if gone:  # nothing can still write into these pages
                     del self.transfer_queue[room.info.room]
-                    self.engine.scheduler.allocator.free(room.pages)
+                    self._free_pages(room)
                     if room.aborted_at is None or room.error is None:  # its final output is still owed
                         self._final(room.request_id, len(room.prompt_token_ids), "abort",
                                     error=error if room.aborted_at is None else None)
@@ -339,18 +345,38 @@ class DecodeWorker(DisaggWorker):
     def advance(self) -> None:
         allocator = self.engine.scheduler.allocator
         page_size = self.peer_config.page_size
+        cache = self.engine.prefix_cache
         while self.prealloc_queue:
             room = self.prealloc_queue[0]
-            need = pages_needed(len(room.prompt_token_ids), page_size)
+            n = len(room.prompt_token_ids)
+            match = cache.match(room.prompt_token_ids, max_tokens=n - 1, count=False) if cache is not None else None
+            cached = match.num_pages * page_size if match is not None else 0
+            local = cached > 0 and n - cached <= self.local_prefill_tokens
+            need = 0 if local else pages_needed(n, page_size) - (match.num_pages if match is not None else 0)
+            if cached and not local:
+                cache.lock(match.node)  # before allocating: an eviction must not take the matched pages
             if not allocator.can_alloc(need):
+                if cached and not local:
+                    cache.unlock(match.node)
                 break
             self.prealloc_queue.pop(0)
-            room.pages = allocator.alloc(need)
-            room.marks["offered"] = time.monotonic()  # before the send: P may start before this thread resumes
             endpoint = room.route.zmq_endpoint
             self._send(endpoint, DecodeRegister(room.info.room, "", self.peer_config))
+            if local:  # D holds all but a short suffix: prefill it here, P drops the room
+                self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
+                                                   [], cached_tokens=cached, prefill_locally=True))
+                self.local_prefills += 1
+                self.engine.add_request(room.request_id, room.prompt_token_ids, room.params)
+                continue
+            if cached:
+                room.cache_node, room.cached_tokens = match.node, cached
+                cache.hit_tokens += cached
+            if cache is not None:
+                cache.query_tokens += n
+            room.pages = (list(match.pages) if cached else []) + allocator.alloc(need)
+            room.marks["offered"] = time.monotonic()  # before the send: P may start before this thread resumes
             self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
-                                               list(room.pages)))
+                                               room.pages[cached // page_size:], cached_tokens=cached))
             self.transfer_queue[room.info.room] = room
             room.sent_at = time.monotonic()
         self._watch_prefill_servers(time.monotonic())
@@ -360,7 +386,7 @@ class DecodeWorker(DisaggWorker):
                 continue
             del self.transfer_queue[room_id]
             if room.aborted_at is not None:
-                allocator.free(room.pages)
+                self._free_pages(room)
                 if room.error is None:  # a client abort: its final output is still owed
                     self._final(room.request_id, len(room.prompt_token_ids), "abort")
                 continue
@@ -374,11 +400,15 @@ class DecodeWorker(DisaggWorker):
             if rec.draft_mode == "both":
                 draft_state = DraftState(rec.draft_topk_ids.tolist(), rec.draft_topk_probs.tolist(), rec.draft_hidden)
             try:
+                if rec.target_hidden is not None and rec.hidden_start != room.cached_tokens:
+                    raise ValueError(f"target features from position {rec.hidden_start}, D holds "
+                                     f"{room.cached_tokens} cached tokens")
                 self.engine.add_prebuilt_request(room.request_id, room.prompt_token_ids, room.params, room.pages,
                                                  rec.handoff_token, lp, draft_state=draft_state,
-                                                 target_hidden=rec.target_hidden, sampler_state=rec.sampler_state)
+                                                 target_hidden=rec.target_hidden, sampler_state=rec.sampler_state,
+                                                 cache_node=room.cache_node, cached_tokens=room.cached_tokens)
             except ValueError as e:  # a record that does not fit this server: fail the request, keep serving
-                allocator.free(room.pages)
+                self._free_pages(room)
                 self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"bad handoff: {e}")
                 continue
             room.marks["ready"] = max(room.marks["record"], room.marks["kv_done"])
@@ -387,6 +417,16 @@ class DecodeWorker(DisaggWorker):
                 self._committed[room.request_id] = room
                 while len(self._committed) > 4096:  # a y0 whose stream was gone before it left: forget it
                     self._committed.pop(next(iter(self._committed)))
+
+    def _free_pages(self, room: _Room) -> None:
+        """A room that will not commit: its own pages back to the allocator, its cached prefix unlocked."""
+        own = room.pages[room.cached_tokens // self.peer_config.page_size:]
+        if own:
+            self.engine.scheduler.allocator.free(own)
+        if room.cache_node is not None:
+            self.engine.prefix_cache.unlock(room.cache_node)
+            room.cache_node = None
+        room.pages = []
 
     def on_first_token(self, request_id: str, at: float) -> None:
         """The event loop handed the request's first token (y0) to its HTTP stream at `at` (monotonic):

@@ -142,7 +142,8 @@ class PrefillWorker(DisaggWorker):
         super().__init__(engine, transfer_backend, host)
         self.bootstrap_timeout_s = bootstrap_timeout_s
         # completed handoffs: transfers, bytes, seconds inside the backend, descriptors (pages x pools), calls
-        self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0}
+        self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0,
+                         "prefills_skipped": 0}  # rooms D prefilled itself (its prefix cache held the rest)
         self.bootstrap_queue: dict[int, _Room] = {}
         self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
         self.inflight: dict[int, _Room] = {}
@@ -259,6 +260,11 @@ class PrefillWorker(DisaggWorker):
             room = self.bootstrap_queue.pop(room_id)
             room.identity = self._registered.pop(room_id)[0]
             room.destination = self._destinations.pop(room_id)
+            if room.destination.prefill_locally:  # D's prefix cache holds nearly all of it: D prefills the rest
+                self.control.command(b"forget", str(room_id).encode())
+                self.kv_stats["prefills_skipped"] += 1
+                self._final(room.request_id, len(room.prompt_token_ids), "handoff")
+                continue
             try:
                 self.engine.add_request(room.request_id, room.prompt_token_ids, room.params, prefill_only=True)
             except Exception as e:  # noqa: BLE001 - validated at add; report rather than kill the thread
@@ -290,7 +296,8 @@ class PrefillWorker(DisaggWorker):
     def _send(self, room: _Room) -> None:
         req = self.engine.take_handoff(room.request_id)
         dest = room.destination
-        src = req.pages[:len(dest.dst_page_ids)]
+        first = dest.cached_tokens // self.peer_config.page_size  # D's prefix cache holds the pages before
+        src = req.pages[first:first + len(dest.dst_page_ids)]
         lp = req.output_logprobs[0] if req.output_logprobs else None
         top = {}
         if lp is not None and lp.top:
@@ -300,7 +307,7 @@ class PrefillWorker(DisaggWorker):
                                handoff_token=req.output_token_ids[0],
                                handoff_logprob=lp.logprob if lp is not None else None,
                                sampling_params=room.params, sampler_state=req.sampler_state, **top,
-                               **self._draft_fields(req)).validate()
+                               **self._draft_fields(req, dest.cached_tokens)).validate()
         # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
         # is not holding the GIL for it while the writer thread needs it around its transfer call
         self.control.send(room.identity, record)
@@ -326,9 +333,10 @@ class PrefillWorker(DisaggWorker):
             logger.debug("room %d %s (%d tokens, %d chunks): %s", room.info.room, room.request_id,
                          len(room.prompt_token_ids), len(room.chunks), describe(durations))
 
-    def _draft_fields(self, req) -> dict:
+    def _draft_fields(self, req, cached_tokens: int = 0) -> dict:
         if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features
-            return {"draft_mode": "decode_only", "target_hidden": torch.cat(req.handoff_hidden)}
+            return {"draft_mode": "decode_only", "target_hidden": torch.cat(req.handoff_hidden)[cached_tokens:],
+                    "hidden_start": cached_tokens}
         if self.peer_config.draft_mode != "both":
             return {}
         state = req.spec_state  # DraftState from the draft extend over the prompt

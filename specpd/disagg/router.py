@@ -3,7 +3,9 @@
 A request's life in the router:
   0. Admission (specpd/server/admission.py): --api-key on /v1/* (401), --max-request-bytes (413), before the
      body is parsed. P and D are not asked for a key: they listen on loopback behind this router.
-  1. Pick a prefill and a decode server at random (`--prefill URL[,URL...] --decode URL[,URL...]`), draw a
+  1. Pick a prefill and a decode server (`--prefill URL[,URL...] --decode URL[,URL...]`) by prefix affinity
+     (specpd/disagg/affinity.py: the same leading text goes to the same P and D, the least-loaded one when
+     that server is full), draw a
      random 63-bit `bootstrap_room`; add `bootstrap_host`, `bootstrap_port` (P's bootstrap server, read once
      from P's /server_info; --bootstrap-port when P does not say) and the room to the JSON body.
   2. Send it to P (as stream=false: P answers once the KV is handed off) and to D (as the client asked)
@@ -32,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from specpd.disagg.affinity import AffinityPicker, prefix_key
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from specpd.disagg.timeline import StageCollector, StageStats
 from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
@@ -62,6 +65,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                       bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, bootstrap_host: str | None = None,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None) -> FastAPI:
     prefill_urls, decode_urls = _urls(prefill_url), _urls(decode_url)
+    pickers = (AffinityPicker(prefill_urls), AffinityPicker(decode_urls))
     state: dict = {"bootstrap": {}}  # P url -> (bootstrap host, port)
 
     @asynccontextmanager
@@ -94,6 +98,18 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         return known
 
     async def generate(raw: Request, path: str):
+        """Route one request; the servers' in-flight counts drop when its answer (or stream) ends."""
+        routed: dict = {}
+        try:
+            resp = await route(raw, path, routed)
+        except BaseException:
+            routed.pop("release", lambda: None)()
+            raise
+        if not isinstance(resp, StreamingResponse):
+            routed.pop("release", lambda: None)()
+        return resp
+
+    async def route(raw: Request, path: str, routed: dict):
         received = time.monotonic()
         try:
             body = await asyncio.to_thread(json.loads, await raw.body())  # bounded by the middleware
@@ -101,7 +117,16 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             return _error(f"body is not JSON: {e}", 400)
         if not isinstance(body, dict):
             return _error("body must be a JSON object", 400)
-        prefill_url, decode_url = random.choice(prefill_urls), random.choice(decode_urls)
+        key = prefix_key(body)  # the same leading text -> the same P and D (their prefix caches hit)
+        prefill_url, decode_url = pickers[0].pick(key), pickers[1].pick(key)
+        pickers[0].acquire(prefill_url)
+        pickers[1].acquire(decode_url)
+
+        def release() -> None:
+            pickers[0].release(prefill_url)
+            pickers[1].release(decode_url)
+
+        routed["release"] = release
         host, port = await bootstrap_address(prefill_url)
         body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=random.getrandbits(63))
         client: httpx.AsyncClient = state["client"]
@@ -193,6 +218,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                         stages.observe({"router_ttft": time.monotonic() - received})
                     yield chunk
             finally:
+                routed.pop("release", lambda: None)()
                 watcher.cancel()
                 if nxt is not None and not nxt.done():  # the client left mid-stream: no orphaned read
                     nxt.cancel()
@@ -219,6 +245,22 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         results = await asyncio.gather(*(state["client"].get(u + path, timeout=timeout) for u in urls),
                                        return_exceptions=True)
         return list(zip(urls, results))
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang's /flush_cache, fanned out to every P and D: each drops its unreferenced cached pages."""
+        urls = prefill_urls + decode_urls
+        answers = await asyncio.gather(*(state["client"].post(u + "/flush_cache", timeout=30.0) for u in urls),
+                                       return_exceptions=True)
+        out, bad = {}, []
+        for u, r in zip(urls, answers):
+            if isinstance(r, Exception) or r.status_code != 200:
+                bad.append(f"{u}: {r!r}" if isinstance(r, Exception) else f"{u}: {r.status_code}")
+            else:
+                out[u] = r.json()
+        if bad:
+            return _error("flush_cache failed on: " + "; ".join(bad), 502)
+        return {"flushed_pages": sum(v.get("flushed_pages") or 0 for v in out.values()), "servers": out}
 
     @app.get("/metrics")
     async def metrics():

@@ -159,8 +159,9 @@ def assert_pages_back(url: str, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         got = info(url)
-        queues = {k: v for k, v in got.items()
-                  if k.startswith("pd_") and isinstance(v, int) and k != "pd_heartbeats_answered"}
+        queues = {k: v for k, v in got.items()  # counters are not queues
+                  if k.startswith("pd_") and isinstance(v, int) and k not in ("pd_heartbeats_answered",
+                                                                               "pd_local_prefills")}
         if got["free_pages"] == got["total_pages"] and not any(queues.values()):
             return got
         assert time.monotonic() < deadline, (url, got["free_pages"], got["total_pages"], queues)

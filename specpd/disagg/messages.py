@@ -53,6 +53,8 @@ class PeerConfig:
     spec_algorithm: str  # SpecConfig.speculative_algorithm
     draft_mode: str = "none"
     transfer_backend: str = "tcp"  # specpd.disagg.transfer.TRANSFER_BACKENDS: both sides must move pages alike
+    # structured outputs: P masks y0 and D every later token, so both must compile grammars alike
+    grammar_backend: str = ""  # specpd.grammar.backend_id(), e.g. "xgrammar==0.2.9"
 
 
 class ConfigMismatch(ValueError):

@@ -13,6 +13,13 @@ Precedence: the grammar ending ends the request even before `min_tokens` (min_to
 from a constrained request); `ignore_eos` with a constraint is a 400; stop strings, stop_token_ids and
 max_tokens still end it where they hit, grammar complete or not.
 """
+from importlib.metadata import version
+
 from specpd.grammar.constraint import KINDS, Constraint, parse_constraint
 
-__all__ = ["KINDS", "Constraint", "parse_constraint"]
+__all__ = ["KINDS", "Constraint", "backend_id", "parse_constraint"]
+
+
+def backend_id() -> str:
+    """The grammar backend and its version: PD peers must agree on it (P masks y0, D the rest)."""
+    return f"xgrammar=={version('xgrammar')}"

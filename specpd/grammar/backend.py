@@ -16,22 +16,14 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from importlib.metadata import version
-
 import xgrammar as xgr
 
 from specpd.core import InvalidRequest
 from specpd.grammar.constraint import KINDS
 from specpd.grammar.matcher import GrammarStats, RequestGrammar
 
-BACKEND_NAME = "xgrammar"
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[10:33:24] /project/cpp/x.cc:94: " on xgrammar errors
 _OBJECT_SCHEMA = '{"type": "object"}'  # json_object: OpenAI's JSON mode asks for an object
-
-
-def backend_id() -> str:
-    """Backend and version: PD peers must agree on it (a grammar compiled differently masks differently)."""
-    return f"{BACKEND_NAME}=={version('xgrammar')}"
 
 
 class GrammarBackend:

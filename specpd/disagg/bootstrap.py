@@ -2,8 +2,10 @@
 
 1. P starts `BootstrapServer(port, route)` next to its HTTP server (`--bootstrap-port`, default 8998).
 2. The router tells D `bootstrap_host` / `bootstrap_port` in the request body.
-3. D calls `GET /route` once per P (`fetch_route`, cached by the caller): P's ZMQ control endpoint, its
-   `PeerConfig` and transfer backend. D runs `check_compatible` on the config before reserving pages.
+3. D calls `GET /route` (`fetch_route`; D caches it while P keeps speaking, and asks again once P has been
+   silent a moment, so a restarted P's new endpoint is found): P's ZMQ control endpoint, its `PeerConfig` and
+   transfer backend. D runs `check_compatible` on the config before reserving pages; a bootstrap server that
+   does not answer is `BootstrapUnreachable` (HTTP 502 from D).
 4. `GET /health` answers 200 while P is up.
 
 Plain stdlib HTTP in a daemon thread: no torch, no event loop shared with the engine.

@@ -31,6 +31,7 @@ class _SpecCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
         st = self._stats()
+        yield from _grammar_metrics(st, self._model)
         hist = st.get("spec_accept_length_hist")
         if not hist:
             return
@@ -137,3 +138,23 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_GRAMMAR_COUNTERS = (  # engine stats key (specpd.grammar.matcher.GrammarStats) -> metric, help
+    ("grammar_mask_seconds", "specpd:grammar_mask_seconds", "Time filling and applying structured-output masks "
+     "(target rows, every draft-tree node, draft proposals); divide by grammar_mask_steps for the time per step."),
+    ("grammar_mask_calls", "specpd:grammar_mask_steps", "Target masking passes (one per constrained request per step)."),
+    ("grammar_compiles", "specpd:grammar_compiles", "Constraints compiled (cache misses, failures included)."),
+    ("grammar_compile_cache_hits", "specpd:grammar_compile_cache_hits", "Constraint compiles served from the cache."),
+    ("grammar_compile_seconds", "specpd:grammar_compile_seconds", "Time compiling constraints (worker threads)."))
+
+
+def _grammar_metrics(st: dict[str, Any], model: str):
+    """Structured-output counters, once a constrained request has built the grammar backend."""
+    from prometheus_client.core import CounterMetricFamily
+    if "grammar_mask_seconds" not in st:
+        return
+    for key, name, doc in _GRAMMAR_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], st.get(key, 0))
+        yield family

@@ -47,6 +47,10 @@ def test_chat_json_schema_parses_validates_and_speculates(client):
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), ITEM)
     assert body["usage"]["spec_verify_count"] >= 1
+    metrics = client.get("/metrics").text
+    mask_s = re.search(r'^specpd:grammar_mask_seconds_total\{model_name="default"\} (\S+)$', metrics, re.M)
+    steps = re.search(r'^specpd:grammar_mask_steps_total\{model_name="default"\} (\S+)$', metrics, re.M)
+    assert mask_s and float(mask_s.group(1)) > 0 and steps and float(steps.group(1)) >= 1, metrics[-2000:]
     sampled = chat(client, "Order fruit as JSON.", response_format=fmt, temperature=1.0, seed=3).json()
     jsonschema.validate(json.loads(sampled["choices"][0]["message"]["content"]), ITEM)
 

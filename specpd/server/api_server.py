@@ -159,8 +159,9 @@ class _Handlers:
         prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, req.add_generation_prompt)
         params = req.to_sampling_params(default_max_tokens=self._room_left(len(prompt_ids)))
         await self._compile_constraint(req)
+        tool = req.tool_call()
         formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
-                                  params.logprobs, req.include_usage)
+                                  params.logprobs, req.include_usage, tool_choice=tool[1] if tool else None)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
     async def _compile_constraint(self, req) -> None:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specpd.core import InvalidRequest, SamplingParams
 from specpd.grammar.constraint import Constraint, parse_constraint
+from specpd.grammar.tools import ToolChoice, tool_constraint
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
@@ -137,6 +138,17 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True  # extension
+    tools: Any = None  # with tool_choice "required" or a named function: a constraint (specpd.grammar.tools)
+    tool_choice: Any = None
+
+    def tool_call(self) -> tuple[Constraint, ToolChoice] | None:
+        return tool_constraint(self.tools, self.tool_choice)
+
+    def constraint(self) -> Constraint | None:
+        plain, tool = super().constraint(), self.tool_call()
+        if plain is not None and tool is not None:
+            raise InvalidRequest(plain.field, "cannot be combined with a forced tool call (tool_choice)")
+        return tool[0] if tool is not None else plain
 
     @property
     def max_tokens_field(self) -> str:

@@ -119,9 +119,12 @@ class ChatFormatter(_Formatter):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tool_choice=None, **kwargs):
+        """tool_choice: a specpd.grammar.tools.ToolChoice when the output is a forced tool call."""
         super().__init__(*args, **kwargs)
         self._sent_role = False
+        self.tool_choice = tool_choice
+        self._tool_text = ""  # a tool call streams as one delta once complete
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.decode_token(token_id)
@@ -136,9 +139,10 @@ class ChatFormatter(_Formatter):
 
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
-        choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
+        message, finish_reason = self._message(last.text, last.finish_reason)
+        choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(self._logprobs_of(outputs)),
-                  "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+                  "finish_reason": finish_reason, "stop_reason": last.stop_reason}
         return {**self._envelope(self.object_name, [choice]), "usage": usage(last)}
 
     def _delta_chunk(self, delta: dict[str, Any], logprobs: Any = None,
@@ -154,8 +158,25 @@ class ChatFormatter(_Formatter):
             self._sent_role = True
             chunks.append(self._delta_chunk({"role": "assistant", "content": ""}))
         lps = out.new_logprobs or []
-        if out.new_text or (lps and self.top_logprobs is not None):
+        finish_reason = out.finish_reason
+        if self.tool_choice is not None:
+            self._tool_text += out.new_text
+            if out.finished:
+                message, finish_reason = self._message(self._tool_text, out.finish_reason)
+                calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or [])]
+                chunks.append(self._delta_chunk({"tool_calls": calls} if calls else {"content": message["content"]}))
+        elif out.new_text or (lps and self.top_logprobs is not None):
             chunks.append(self._delta_chunk({"content": out.new_text}, self._logprobs(lps)))
         if out.finished:
-            chunks.append(self._delta_chunk({}, finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+            chunks.append(self._delta_chunk({}, finish_reason=finish_reason, stop_reason=out.stop_reason))
         return chunks
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message: a forced tool call that completed is `tool_calls`, else the text."""
+        if self.tool_choice is not None and finish_reason == "stop":
+            from specpd.grammar.tools import tool_calls
+            calls = tool_calls(text, self.tool_choice)
+            if calls is not None:  # like OpenAI: a forced named function finishes with "stop"
+                return ({"role": "assistant", "content": None, "tool_calls": calls},
+                        "stop" if self.tool_choice.named else "tool_calls")
+        return {"role": "assistant", "content": text}, finish_reason

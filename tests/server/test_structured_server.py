@@ -117,3 +117,61 @@ def test_openai_client_parse_round_trip(server):
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Fruit) and 1 <= parsed.count <= 9
     _wait_idle(server)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}}}
+
+
+def test_tool_calls_named_and_required(client):
+    named = chat(client, "Weather in Paris?", tools=[WEATHER, TIME],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()["choices"][0]
+    assert named["finish_reason"] == "stop" and named["message"]["content"] is None, named
+    [call] = named["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    required = chat(client, "What time is it in Paris?", tools=[WEATHER, TIME], tool_choice="required").json()
+    choice = required["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in choice["message"]["tool_calls"]:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_streamed_tool_call_arrives_as_one_delta(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 48, "temperature": 0,
+            "stream": True, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}) as r:
+        events = _sse(r)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert not any(d.get("content") for d in deltas)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" (the default with tools)
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "regex": "a"}, "regex"),
+])
+def test_bad_tool_requests_are_400(client, body, field):
+    r = chat(client, "x", **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_openai_client_forced_tool_call(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0)
+    completion = api.chat.completions.create(model=server["model"], max_tokens=48, temperature=0, tools=[WEATHER],
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                             messages=[{"role": "user", "content": "Weather in Paris, Celsius?"}])
+    call = completion.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    _wait_idle(server)

@@ -2,6 +2,7 @@
 greedy output is token-identical with and without speculation (chain and tree), and the precedence rules
 (grammar end before min_tokens, stop strings still cut) hold."""
 import json
+import math
 import re
 
 import jsonschema
@@ -105,3 +106,20 @@ def test_eagle3_is_token_identical_and_valid(smollm2, prompts, reference, steps,
         if params.greedy:
             assert out.token_ids == ref.token_ids
     assert engine.spec_stats.accepted_tokens > 0
+
+
+def test_logprobs_are_those_of_the_masked_distribution(plain, prompts):
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, constraint_kind="choice",
+                            constraint_spec=json.dumps(CHOICES))
+    plain.add_request("lp", prompts[2], params)
+    lps, text = [], ""
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            lps += out.new_logprobs or []
+            text = out.text
+    first = lps[0]
+    assert text in CHOICES and math.isfinite(first.logprob)
+    finite = [t for t, v in first.top if math.isfinite(v)]
+    assert first.token_id in finite
+    for t in finite:  # every token the first step could take starts a choice
+        assert any(c.startswith(plain.tokenizer.decode([t])) for c in CHOICES), plain.tokenizer.decode([t])

@@ -143,6 +143,14 @@ class RadixCache:
         rest.extend(pages[k:])
         return rest
 
+    def path_pages(self, node: RadixNode | None) -> list[int]:
+        """The pages from the root down to `node`."""
+        pages = []
+        while node is not None and node is not self.root:
+            pages.append(node.page)
+            node = node.parent
+        return pages[::-1]
+
     def owns(self, page: int) -> bool:
         """Not O(1); for tests and assertions."""
         return any(n.page == page for n in self._nodes())

@@ -79,8 +79,9 @@ class Cluster:
             return ["--role", "prefill", "--bootstrap-port", str(self.ports["boot" + name[1]]), *engine]
         if name in ("d", "d2"):
             heartbeat = HEARTBEAT_TIMEOUT_S if name == "d" else LONG_HEARTBEAT_TIMEOUT_S
+            # repeated prompts hit D's prefix cache: --pd-local-prefill-tokens 0 keeps every room on P
             return ["--role", "decode", "--pd-heartbeat-timeout", str(heartbeat),
-                    "--pd-abort-timeout", str(ABORT_TIMEOUT_S), *engine]
+                    "--pd-abort-timeout", str(ABORT_TIMEOUT_S), "--pd-local-prefill-tokens", "0", *engine]
         p, d = {"a": ("p1", "d"), "b": ("p2", "d"), "c": ("p1", "d2")}[name]
         return ["--role", "router", "--prefill", self.url[p], "--decode", self.url[d],
                 "--bootstrap-port", str(self.ports["boot" + p[1]])]

@@ -152,3 +152,23 @@ def test_hit_and_query_counters():
     cache.match(toks)
     assert cache.stats()["prefix_cache_hit_tokens"] == 8
     assert cache.stats()["prefix_cache_query_tokens"] == 9
+
+
+def test_scheduler_never_frees_a_matched_page_it_did_not_compute_past():
+    """A request that matched cached pages and then lets go with less valid KV than it matched (payloads
+    missing, say) frees only its own pages: the matched ones stay in the tree."""
+    from specpd.config import SchedulerConfig
+    from specpd.core import Request, SamplingParams
+    from specpd.engine.scheduler import Scheduler
+    alloc, cache = make()
+    toks = list(range(12))
+    finish(cache, alloc, toks, alloc.alloc(3))
+    sched = Scheduler(SchedulerConfig(), alloc, PS, cache=cache)
+    req = Request("r", toks + [99, 98], SamplingParams())
+    sched.add(req)
+    batch = sched.schedule()
+    assert batch.items[0].start == 12 and req.num_cached_tokens == 12
+    req.num_computed_tokens = 0  # as if nothing it holds were valid
+    sched.finish(req, "abort")
+    assert cache.num_cached == 3 and cache.match(toks).num_pages == 3
+    check(alloc, cache)

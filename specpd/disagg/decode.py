@@ -180,8 +180,9 @@ class DecodeWorker(DisaggWorker):
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", abort_timeout_s: float = 30.0,
                  prefill_timeout_s: float = 300.0, transfer_timeout_s: float = 60.0,
-                 heartbeat_timeout_s: float = 10.0, local_prefill_tokens: int = 128):
-        super().__init__(engine, transfer_backend, host)
+                 heartbeat_timeout_s: float = 10.0, local_prefill_tokens: int = 128,
+                 advertise_host: str | None = None):
+        super().__init__(engine, transfer_backend, host, advertise_host)
         self.abort_timeout_s = abort_timeout_s
         self.prefill_timeout_s = prefill_timeout_s  # KVDestination sent -> HandoffRecord (P queued + prefilled)
         self.transfer_timeout_s = transfer_timeout_s  # HandoffRecord -> TransferDone (the KV writes)

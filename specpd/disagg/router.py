@@ -40,6 +40,7 @@ from specpd.disagg.timeline import StageCollector, StageStats
 from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
 
 _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
+_WILDCARDS = ("0.0.0.0", "::", "")  # bind-everything addresses: not where a peer can reach a server
 
 
 def _error(message: str, code: int) -> JSONResponse:
@@ -90,6 +91,10 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             try:
                 resp = await state["client"].get(url + "/server_info", timeout=10.0)
                 port = int(resp.json().get("bootstrap_port") or port)
+                told = resp.json().get("bootstrap_host")  # P's --advertise-host: where D reaches it
+                if bootstrap_host is None and told and told not in _WILDCARDS:
+                    state["bootstrap"][url] = (told, port)
+                    return told, port
             except (httpx.HTTPError, ValueError, AttributeError):
                 pass  # P unreachable now: its POST fails below with a clear error; ask again next time
             else:

@@ -211,16 +211,19 @@ def peer_config(engine, transfer_backend: str) -> PeerConfig:
 class DisaggWorker:
     role = "worker"
 
-    def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1"):
+    def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", advertise_host: str | None = None):
+        """`host`: the address this server's control and transfer sockets bind; `advertise_host`: the one its
+        peers are told (default: host) — a server bound to 0.0.0.0, or behind NAT, names a reachable one."""
         self.engine = engine
         self.transfer_backend = transfer_backend
         self.host = host
+        self.advertise_host = advertise_host or host
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.peer_config = peer_config(engine, transfer_backend)
-        self.backend = create_backend(transfer_backend, host)
+        self.backend = create_backend(transfer_backend, host, advertise_host=self.advertise_host)
         self.backend.register(page_pools(engine))
         self.ctx = zmq.Context.instance()
         self.control: ControlThread | None = None  # the subclass builds and starts it

@@ -93,11 +93,14 @@ class TransferBackend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, host: str = "127.0.0.1", *, max_descriptors_per_call: int = 512,
-                 timeout_s: float = 30.0, drain_s: float = 1.0, num_workers: int = 2):
+    def __init__(self, host: str = "127.0.0.1", *, advertise_host: str | None = None,
+                 max_descriptors_per_call: int = 512, timeout_s: float = 30.0, drain_s: float = 1.0,
+                 num_workers: int = 2):
+        """`host`: the address this engine binds; `advertise_host`: the one peers reach it at (default: host)."""
         if max_descriptors_per_call < 1:
             raise ValueError(f"max_descriptors_per_call must be >= 1, got {max_descriptors_per_call}")
         self.host = host
+        self.advertise_host = advertise_host or host
         self.max_descriptors_per_call = max_descriptors_per_call
         self.timeout_s = timeout_s
         self.drain_s = drain_s

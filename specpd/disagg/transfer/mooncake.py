@@ -90,13 +90,14 @@ class MooncakeBackend(TransferBackend):
                  **options):
         """`protocol`: "tcp" (one box / no RDMA NIC) or "rdma"; `device_name`: RDMA NICs, e.g. "mlx5_0"."""
         super().__init__(host, **options)
-        self._engine_key = (host, protocol, device_name, max(5, math.ceil(self.timeout_s)))
+        # Mooncake names itself (its session id) by the host it is initialized with: the advertised one
+        self._engine_key = (self.advertise_host, protocol, device_name, max(5, math.ceil(self.timeout_s)))
         with _ENV_LOCK:
             idle = _IDLE_ENGINES.get(self._engine_key)
             self._engine = idle.pop() if idle else None
         if self._engine is None:
             self._engine = self._new_engine(*self._engine_key)
-        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        self._session = f"{self.advertise_host}:{self._engine.get_rpc_port()}"
         self._base_addresses: list[int] = []
 
     @staticmethod

@@ -87,7 +87,7 @@ class TcpBackend(TransferBackend):
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         port = self._router.bind_to_random_port(f"tcp://{host}")
-        self._session = f"tcp://{host}:{port}"
+        self._session = f"tcp://{self.advertise_host}:{port}"
         self._links: dict[str, _PeerLink] = {}
         self._seq = itertools.count(1)
         self._stop = threading.Event()

@@ -6,6 +6,12 @@ A request's life on P, keyed by its `bootstrap_room`:
      `_destinations`). D's PeerConfig is checked here; a mismatch answers `TransferFailed` naming both values.
   2. waiting queue: `engine.add_request(prefill_only=True)`; the engine batches prefills with the normal
      scheduler, samples y0 at position N-1 and keeps the pages (`engine.take_handoff`).
+     Optimistic prefill (on by default; `--no-pd-optimistic-prefill`): a room enters the waiting queue as soon
+     as its request arrives, before D's destination, while the pages of rooms without one (prefilling or
+     parked) stay within half of P's pool; D's destination joins it when it comes (it may announce D's
+     cached prefix or that D prefills itself, which P learns only then).
+  2b. parked: a room prefilled before its destination came holds its pages here until it comes (then 3), or
+     until `bootstrap_timeout_s` after its request (then it fails and the pages return).
   3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
      draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
      target features, captured by the engine, which then loads no draft) goes to D, then the prompt's pages
@@ -43,6 +49,7 @@ from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegis
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo, ControlThread, DisaggWorker
+from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +67,16 @@ class _Room:
     marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
     chunks: list = dataclasses.field(default_factory=list)  # (start, end) of each prefill chunk's engine step
     computed: int = 0  # prompt tokens with KV as of the last engine step (a new chunk when it grows)
+    page_size: int = 0  # P's page size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the room's prompt takes on P (what an optimistic room holds before D's destination)."""
+        return pages_needed(len(self.prompt_token_ids), self.page_size) if self.page_size else 0
 
 
 # (stage, start mark, end mark): timeline.py's P stages
-_P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued", "admitted"),
+_P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued", "destination"),
              ("p_queue", "admitted", "prefill_start"), ("p_prefill", "prefill_start", "prefill_end"),
              ("p_record", "prefill_end", "record"), ("p_kv_submit", "record", "kv_submitted"),
              ("p_kv_write", "kv_submitted", "kv_done"), ("p_total", "received", "kv_done")]
@@ -138,14 +151,17 @@ class PrefillWorker(DisaggWorker):
     role = "prefill"
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998,
-                 bootstrap_timeout_s: float = 300.0):
+                 bootstrap_timeout_s: float = 300.0, optimistic_prefill: bool = True):
         super().__init__(engine, transfer_backend, host)
         self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.optimistic_prefill = optimistic_prefill
+        self.optimistic_pages_max = engine.total_pages // 2  # pages rooms without a destination may hold
         # completed handoffs: transfers, bytes, seconds inside the backend, descriptors (pages x pools), calls
         self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0,
                          "prefills_skipped": 0}  # rooms D prefilled itself (its prefix cache held the rest)
         self.bootstrap_queue: dict[int, _Room] = {}
         self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
+        self.parked: dict[int, _Room] = {}  # prefilled before D's destination came: holding their pages
         self.inflight: dict[int, _Room] = {}
         self.control = PrefillControl(self, host)
         self.endpoint = self.control.endpoint
@@ -164,15 +180,20 @@ class PrefillWorker(DisaggWorker):
             raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this prefill server")
         now = time.monotonic()
         self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info, added_at=now,
-                                                marks={"received": received_at, "queued": now})
+                                                marks={"received": received_at, "queued": now},
+                                                page_size=self.peer_config.page_size)
 
     def _room_in_use(self, room: int) -> bool:
-        return (room in self.bootstrap_queue or room in self.inflight
+        return (room in self.bootstrap_queue or room in self.inflight or room in self.parked
                 or any(r.info.room == room for r in self.prefilling.values()))
 
     def rooms_queued(self) -> int:
         """Rooms waiting for their D or for their prefill, or inside one (read by the control thread)."""
-        return len(self.bootstrap_queue) + len(self.prefilling)
+        return len(self.bootstrap_queue) + len(self.prefilling) + len(self.parked)
+
+    def pages_waiting(self) -> int:
+        """Pages held (or about to be) by rooms without D's destination: prefilling optimistically or parked."""
+        return sum(r.num_pages for r in [*self.prefilling.values(), *self.parked.values()] if r.destination is None)
 
     def abort_request(self, request_id: str) -> None:
         for room, r in list(self.bootstrap_queue.items()):
@@ -183,9 +204,19 @@ class PrefillWorker(DisaggWorker):
                 return
         if request_id in self.prefilling:
             self.engine.abort_request(request_id)
+        for room_id, r in list(self.parked.items()):
+            if r.request_id == request_id:  # no write was ever issued: its D, if any, hears nothing
+                self._unpark(room_id, forget=True)
+                self._final(request_id, len(r.prompt_token_ids), "abort")
+
+    def _unpark(self, room_id: int, forget: bool = False) -> _Room:
+        room = self.parked.pop(room_id)
+        self.engine.release_handoff(room.request_id)
+        self._drop_room_state(room_id, forget=forget)
+        return room
 
     def disagg_busy(self) -> bool:  # a registered room keeps the loop taking control messages
-        return bool(self.bootstrap_queue or self.inflight or self._registered)
+        return bool(self.bootstrap_queue or self.inflight or self._registered or self.parked)
 
     def stats(self) -> dict:
         return {**super().stats(), **self.kv_stats, "bootstrap_port": self.bootstrap.port,
@@ -193,7 +224,8 @@ class PrefillWorker(DisaggWorker):
 
     def queue_sizes(self) -> dict:
         return {"pd_bootstrap": len(self.bootstrap_queue), "pd_prefilling": len(self.prefilling),
-                "pd_inflight": len(self.inflight)}
+                "pd_parked": len(self.parked), "pd_inflight": len(self.inflight),
+                "pd_pages_waiting": self.pages_waiting()}
 
     # -- stages ----------------------------------------------------------------------------
     def on_message(self, identity: bytes, msg, arrived_at: float) -> None:
@@ -202,8 +234,19 @@ class PrefillWorker(DisaggWorker):
         elif isinstance(msg, KVDestination):
             self._destinations[msg.room] = msg
         elif isinstance(msg, Abort):
+            prefilling = next((r for r in self.prefilling.values() if r.info.room == msg.room), None)
+            if prefilling is not None and prefilling.destination is None:  # optimistic: nothing was written
+                self.engine.abort_request(prefilling.request_id)  # its abort output fails the HTTP request
+                self._drop_room_state(msg.room)
+                self.control.send(identity, AbortAck(msg.room), end_room=msg.room)
+                return
+            if msg.room in self.parked:
+                room = self._unpark(msg.room)
+                self.control.send(identity, AbortAck(msg.room), end_room=msg.room)
+                self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"decode aborted: {msg.reason}")
+                return
             # a room in the engine or in flight finishes its transfer: TransferDone tells D it may free
-            if any(r.info.room == msg.room for r in self.prefilling.values()) or msg.room in self.inflight:
+            if prefilling is not None or msg.room in self.inflight:
                 return
             room = self.bootstrap_queue.pop(msg.room, None)
             self._drop_room_state(msg.room)
@@ -237,34 +280,49 @@ class PrefillWorker(DisaggWorker):
             room = self.prefilling.pop(out.request_id, None)
             if room is None:
                 passed.append(out)
+            elif out.finish_reason == "handoff" and room.destination is None:  # optimistic: D is not there yet
+                self.parked[room.info.room] = room
             elif out.finish_reason == "handoff":
-                self._send(room)
+                self._hand_off(room)
             else:  # aborted in the engine
                 self._fail(room, f"prefill ended with {out.finish_reason}", notify_decode=True)
         return passed
 
     def advance(self) -> None:
         now = time.monotonic()
-        for room_id, room in list(self.bootstrap_queue.items()):
-            if now - room.added_at > self.bootstrap_timeout_s:  # D never registered the room
-                del self.bootstrap_queue[room_id]
-                self._drop_room_state(room_id, forget=True)
-                self._final(room.request_id, len(room.prompt_token_ids), "abort",
-                            error=f"no decode server claimed room {room_id} within {self.bootstrap_timeout_s:g} s")
+        for queue in (self.bootstrap_queue, self.parked):
+            for room_id, room in list(queue.items()):
+                if now - room.added_at > self.bootstrap_timeout_s:  # D never registered the room
+                    if queue is self.parked:
+                        self._unpark(room_id, forget=True)
+                    else:
+                        del self.bootstrap_queue[room_id]
+                        self._drop_room_state(room_id, forget=True)
+                    self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"no decode server "
+                                f"claimed room {room_id} within {self.bootstrap_timeout_s:g} s")
+        for room in [*self.prefilling.values(), *self.parked.values()]:  # optimistic rooms: has their D come?
+            if room.destination is None and room.info.room in self._registered \
+                    and room.info.room in self._destinations:
+                self._attach(room)
+                if room.info.room in self.parked:
+                    self._hand_off(self.parked.pop(room.info.room))
         for room_id, (identity, _, at) in list(self._registered.items()):
-            if room_id not in self.bootstrap_queue and now - at > self.bootstrap_timeout_s:  # request never came
+            if not self._room_in_use(room_id) and now - at > self.bootstrap_timeout_s:  # request never came
                 self._drop_room_state(room_id)
                 self.control.send(identity, TransferFailed(room_id, "the prefill server never received the "
                                                                     "request for this room"), end_room=room_id)
-        for room_id in [r for r in self.bootstrap_queue if r in self._registered and r in self._destinations]:
-            room = self.bootstrap_queue.pop(room_id)
-            room.identity = self._registered.pop(room_id)[0]
-            room.destination = self._destinations.pop(room_id)
-            if room.destination.prefill_locally:  # D's prefix cache holds nearly all of it: D prefills the rest
-                self.control.command(b"forget", str(room_id).encode())
-                self.kv_stats["prefills_skipped"] += 1
-                self._final(room.request_id, len(room.prompt_token_ids), "handoff")
+        for room_id, room in list(self.bootstrap_queue.items()):
+            if room_id in self._registered and room_id in self._destinations:
+                del self.bootstrap_queue[room_id]
+                self._attach(room)
+                if room.destination.prefill_locally:  # D's prefix cache holds nearly all of it: D prefills the rest
+                    self._skip(room)
+                    continue
+            elif not (self.optimistic_prefill
+                      and self.pages_waiting() + room.num_pages <= self.optimistic_pages_max):
                 continue
+            else:  # optimistic: prefill now, D's destination joins the room when it comes
+                del self.bootstrap_queue[room_id]
             try:
                 self.engine.add_request(room.request_id, room.prompt_token_ids, room.params, prefill_only=True)
             except Exception as e:  # noqa: BLE001 - validated at add; report rather than kill the thread
@@ -292,6 +350,26 @@ class PrefillWorker(DisaggWorker):
                 self._observe(room)
             else:
                 self._fail(room, f"KV transfer failed: {result.error}", notify_decode=True)
+
+    def _attach(self, room: _Room) -> None:
+        """D's DecodeRegister and KVDestination for the room came: the room knows where its KV goes."""
+        room.identity = self._registered.pop(room.info.room)[0]
+        room.destination = self._destinations.pop(room.info.room)
+        room.marks["destination"] = time.monotonic()
+
+    def _skip(self, room: _Room) -> None:
+        """D prefills this room itself (its prefix cache held nearly all of it): answer the request at once."""
+        self.control.command(b"forget", str(room.info.room).encode())
+        self.kv_stats["prefills_skipped"] += 1
+        self._final(room.request_id, len(room.prompt_token_ids), "handoff")
+
+    def _hand_off(self, room: _Room) -> None:
+        """A prefilled room whose destination is known: send it (or drop it if D prefills it itself)."""
+        if room.destination.prefill_locally:  # learned after an optimistic prefill: the compute was spent
+            self.engine.release_handoff(room.request_id)
+            self._skip(room)
+            return
+        self._send(room)
 
     def _send(self, room: _Room) -> None:
         req = self.engine.take_handoff(room.request_id)
@@ -327,6 +405,8 @@ class PrefillWorker(DisaggWorker):
         if room.chunks:
             room.marks["prefill_start"], room.marks["prefill_end"] = room.chunks[0][0], room.chunks[-1][1]
         durations = between(room.marks, _P_STAGES)
+        if room.marks["destination"] > room.marks.get("prefill_end", room.marks["destination"]):
+            durations["p_parked"] = room.marks["destination"] - room.marks["prefill_end"]  # optimistic, D late
         durations["p_prefill_chunk"] = [end - start for start, end in room.chunks]
         self.stages.observe(durations)
         if logger.isEnabledFor(logging.DEBUG):

@@ -154,7 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.role == "prefill":
         from specpd.disagg.prefill import PrefillWorker
         engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
-                               bootstrap_timeout_s=args.pd_bootstrap_timeout)
+                               bootstrap_timeout_s=args.pd_bootstrap_timeout,
+                               optimistic_prefill=args.pd_optimistic_prefill)
     elif args.role == "decode":
         from specpd.disagg.decode import DecodeWorker
         engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
@@ -281,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode-port", type=int, help="--disagg: first decode server's port (default: --port+1+N)")
     pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",
                     help="prefill: fail a request no decode server claims within S seconds (default: 300)")
+    pd.add_argument("--pd-optimistic-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill: start a request's prefill before its decode server offered pages (rooms "
+                         "without them hold at most half of P's pool and wait --pd-bootstrap-timeout at most)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=300.0, metavar="S",
                     help="decode: fail a request whose handoff record has not come S seconds after the pages "
                          "were offered (waiting for prefill) (default: 300)")

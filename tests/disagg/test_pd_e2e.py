@@ -202,16 +202,17 @@ def check_duplicate_room_refused(p_url: str) -> None:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(httpx.post, p_url + "/v1/completions", json=body, timeout=60)
         deadline = time.monotonic() + 10
-        while httpx.get(p_url + "/server_info").json()["pd_bootstrap"] != 1:
+        held = lambda i: i["pd_bootstrap"] + i["pd_prefilling"] + i["pd_parked"]  # noqa: E731 (optimistic: parked)
+        while held(httpx.get(p_url + "/server_info").json()) != 1:
             assert time.monotonic() < deadline and not first.done(), "P never queued the first request"
             time.sleep(0.05)
         second = httpx.post(p_url + "/v1/completions", json=body, timeout=60)
         assert second.status_code == 400 and "room 4242 is already in use" in second.text, second.text
-        assert httpx.get(p_url + "/server_info").json()["pd_bootstrap"] == 1
+        assert held(httpx.get(p_url + "/server_info").json()) == 1
         resp = first.result(timeout=30)
     assert resp.status_code >= 500 and "no decode server claimed room 4242" in resp.text, resp.text
     info = wait_free_pages(p_url)
-    assert info["free_pages"] == info["total_pages"] and info["pd_bootstrap"] == 0, info
+    assert info["free_pages"] == info["total_pages"] and info["pd_bootstrap"] == info["pd_parked"] == 0, info
 
 
 def test_disagg_cluster_launcher(model_dir, expected):

@@ -120,6 +120,7 @@ def main() -> None:
                 row = {"config": name, "batch": bs, "mode": label, **r}
                 if label == "constrained":
                     row["valid"] = f"{sum(valid(o) for o in outs)}/{len(outs)}"
+                    row["finish_reasons"] = [o.finish_reason for o in outs]
                 log(json.dumps(row))
                 results.append(row)
     write_json(out_path, {"machine": machine_info(), "versions": versions(), "max_tokens": args.max_tokens,

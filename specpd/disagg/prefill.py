@@ -85,12 +85,12 @@ _P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued",
 class PrefillControl(ControlThread):
     """P's control thread: the ROUTER socket D's DEALERs talk to (module docstring)."""
 
-    def __init__(self, worker: "PrefillWorker", host: str):
+    def __init__(self, worker: "PrefillWorker", host: str, advertise_host: str):
         super().__init__(worker.ctx, "specpd-prefill-control")
         self.worker = worker
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://{host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
+        self.endpoint = f"tcp://{advertise_host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
         self.poller.register(self.router, zmq.POLLIN)
         self.owners: dict[int, bytes] = {}  # room -> the identity of the D that registered it first
         self.heartbeats = 0
@@ -151,8 +151,9 @@ class PrefillWorker(DisaggWorker):
     role = "prefill"
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998,
-                 bootstrap_timeout_s: float = 300.0, optimistic_prefill: bool = True):
-        super().__init__(engine, transfer_backend, host)
+                 bootstrap_timeout_s: float = 300.0, optimistic_prefill: bool = True,
+                 advertise_host: str | None = None):
+        super().__init__(engine, transfer_backend, host, advertise_host)
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.optimistic_prefill = optimistic_prefill
         self.optimistic_pages_max = engine.total_pages // 2  # pages rooms without a destination may hold
@@ -163,7 +164,7 @@ class PrefillWorker(DisaggWorker):
         self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
         self.parked: dict[int, _Room] = {}  # prefilled before D's destination came: holding their pages
         self.inflight: dict[int, _Room] = {}
-        self.control = PrefillControl(self, host)
+        self.control = PrefillControl(self, host, self.advertise_host)
         self.endpoint = self.control.endpoint
         self.control.start()
         self.bootstrap = BootstrapServer(host, bootstrap_port, Route(self.endpoint, transfer_backend,
@@ -220,6 +221,7 @@ class PrefillWorker(DisaggWorker):
 
     def stats(self) -> dict:
         return {**super().stats(), **self.kv_stats, "bootstrap_port": self.bootstrap.port,
+                "bootstrap_host": self.advertise_host,
                 "pd_heartbeats_answered": self.control.heartbeats}
 
     def queue_sizes(self) -> dict:

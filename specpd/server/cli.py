@@ -151,17 +151,21 @@ def serve(args: argparse.Namespace) -> int:
     # a model-free drafter (ngram) lives on D only
     engine = LLMEngine(config, with_draft=not (args.role == "prefill" and (config.spec.draft_mode == "decode-only"
                                                                           or config.spec.model_free)))
+    advertise = args.advertise_host or args.host
+    if args.role in ("prefill", "decode") and advertise in ("0.0.0.0", "::", ""):
+        raise SystemExit(f"specpd serve --role {args.role}: --host {args.host!r} binds every interface, so peers "
+                         f"need an address to reach this server: give --advertise-host (e.g. this host's IP)")
     if args.role == "prefill":
         from specpd.disagg.prefill import PrefillWorker
         engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
                                bootstrap_timeout_s=args.pd_bootstrap_timeout,
-                               optimistic_prefill=args.pd_optimistic_prefill)
+                               optimistic_prefill=args.pd_optimistic_prefill, advertise_host=advertise)
     elif args.role == "decode":
         from specpd.disagg.decode import DecodeWorker
         engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
                               prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
                               heartbeat_timeout_s=args.pd_heartbeat_timeout,
-                              local_prefill_tokens=args.pd_local_prefill_tokens)
+                              local_prefill_tokens=args.pd_local_prefill_tokens, advertise_host=advertise)
     from specpd.server.admission import warn_if_open
     api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
     warn_if_open(args.host, api_key, f"the {args.role} server")
@@ -293,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(waiting for transfer) (default: 60)")
     pd.add_argument("--pd-heartbeat-timeout", type=float, default=10.0, metavar="S",
                     help="decode: a prefill server silent for S seconds while it owes rooms is dead (default: 10)")
+    pd.add_argument("--advertise-host", metavar="HOST",
+                    help="prefill / decode: the address peers reach this server at (its bootstrap route, control "
+                         "socket and transfer session), when it is not --host (--host 0.0.0.0, NAT) "
+                         "(default: --host)")
     pd.add_argument("--pd-local-prefill-tokens", type=int, default=128, metavar="N",
                     help="decode: when its prefix cache holds all of a prompt but at most N tokens (a multi-turn "
                          "chat's new message), D prefills them itself instead of a round trip to P; 0: never "

@@ -36,6 +36,7 @@ def test_a_killed_server_is_restarted_and_the_cluster_serves_again(model_dir, ex
     p_port, d_port, boot = free_port(), free_port(), free_port()
     args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
             str(boot), "--log-level", "warning", "--pd-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--pd-local-prefill-tokens", "0",  # the repeated prompt hits D's cache: keep P in the loop
             *engine_args(model_dir)]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}

@@ -244,7 +244,10 @@ def test_a_killed_prefill_fails_the_request_and_frees_decode_pages(model_dir):
     back within the heartbeat timeout (2 s here), not the abort timeout (600 s here)."""
     boot = free_port()
     specs = [["--role", "prefill", "--bootstrap-port", str(boot), *engine_args(model_dir)],
-             ["--role", "decode", "--pd-heartbeat-timeout", "2", "--pd-abort-timeout", "600", *engine_args(model_dir)]]
+             # D's cache holds the prompt after the first request: --pd-local-prefill-tokens 0 keeps P in the
+             # loop, so the room in transfer holds a cached prefix (locked) and its own pages
+             ["--role", "decode", "--pd-heartbeat-timeout", "2", "--pd-abort-timeout", "600",
+              "--pd-local-prefill-tokens", "0", *engine_args(model_dir)]]
     with servers(specs) as (p_url, d_url):
         with servers([["--role", "router", "--prefill", p_url, "--decode", d_url]]) as (router,):
             p_pid = httpx.get(p_url + "/server_info").json()["pid"]

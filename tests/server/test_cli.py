@@ -44,3 +44,10 @@ def test_generate_json():
     assert out["completion_tokens"] == len(out["token_ids"]) == 4 and out["finish_reason"] == "length"
     assert "Paris" in out["text"] and out["prompt_tokens"] > 0
     assert out["ttft_s"] > 0 and out["tokens_per_s"] > 0 and out["e2e_s"] >= out["ttft_s"]
+
+
+def test_prefix_caching_is_on_by_default_and_every_anchor_spelling_turns_it_off():
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["serve"])).cache.enable_prefix_caching is True
+    for flag in ("--disable-prefix-caching", "--disable-radix-cache", "--no-enable-prefix-caching"):
+        assert config_from_args(parser.parse_args(["serve", flag])).cache.enable_prefix_caching is False, flag

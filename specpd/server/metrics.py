@@ -114,7 +114,10 @@ class ServerMetrics:
                 ("specpd:prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
                  "Prompt tokens taken from the prefix cache since start."),
                 ("specpd:prefix_cache_query_tokens", "prefix_cache_query_tokens",
-                 "Prompt tokens looked up in the prefix cache since start.")):
+                 "Prompt tokens looked up in the prefix cache since start."),
+                ("specpd:pd_kv_bytes", "kv_bytes", "PD prefill: KV bytes sent to decode servers since start "
+                 "(per request: divide by specpd:pd_kv_transfers)."),
+                ("specpd:pd_kv_transfers", "kv_transfers", "PD prefill: completed KV handoffs since start.")):
             gauge = Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
             gauge.set_function(lambda key=key: float(stats().get(key, 0)))
         r.register(_SpecCollector(stats, model_name))

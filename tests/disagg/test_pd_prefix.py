@@ -79,6 +79,8 @@ def test_multi_turn_under_pd_matches_unified(model_dir, eagle_dir, mode, local):
                 assert sent[1] == sent[2] == 0, sent
             else:  # P sent only the pages after D's cached prefix: fewer bytes than the whole prompt's
                 assert d_info["pd_local_prefills"] == 0
+                metrics = httpx.get(p_url + "/metrics").text
+                assert f'specpd:pd_kv_bytes{{model_name=' in metrics and p_info["kv_bytes"] == sum(sent)
                 page_bytes = sent[0] / -(-(len(SYSTEM) + len(TURNS[0])) // PS)
                 for turn, (prompt_len, c) in enumerate([(len(SYSTEM) + len(TURNS[0]) + MAX_TOKENS + len(TURNS[1]),
                                                          cached[1])], start=1):

@@ -13,14 +13,12 @@ from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
 
 NUM_PAGES = 96
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+PERSON = {"type": "object", "properties": {  # nested object, array, enum, bounded integers, a string pattern
     "city": {"enum": ["Paris", "London", "Tokyo"]},
     "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
                 "required": ["zip"]},
     "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "maxItems": 2}},
-    "required": ["name", "age", "city", "address", "scores"]}
+    "required": ["city", "address", "scores"]}
 SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
          "required": ["ok", "n"]}
 PHONE = r"[0-9]{3}-[0-9]{4}"
@@ -33,7 +31,7 @@ def schema_params(schema, **kw):
 
 # (question, params, check) -- greedy rows are compared token for token across engines
 CASES = [
-    ("Describe Alice, 30, from Paris, as JSON.", schema_params(PERSON, temperature=0.0), ("json", PERSON)),
+    ("Describe Alice from Paris, as JSON.", schema_params(PERSON, temperature=0.0), ("json", PERSON)),
     ("Give a phone number.", SamplingParams(max_tokens=16, temperature=0.0, constraint_kind="regex",
                                             constraint_spec=PHONE), ("regex", PHONE)),
     ("Is the sky blue?", SamplingParams(max_tokens=8, temperature=0.0, constraint_kind="choice",

@@ -1,5 +1,5 @@
-"""Constrained generation on SmolLM2 with the shipped EAGLE-3 draft: every output parses and validates,
-greedy output is token-identical with and without speculation (chain and tree), and the precedence rules
+"""Constrained generation on SmolLM2 with the shipped EAGLE-3 draft and n-gram trees: every output parses and
+validates, greedy output is token-identical with and without speculation (chain and tree), and the precedence rules
 (grammar end before min_tokens, stop strings still cut) hold."""
 import json
 import math
@@ -91,10 +91,11 @@ def test_grammar_end_precedes_min_tokens_and_stop_strings_still_cut(plain, promp
     assert cut.finish_reason == "stop" and cut.stop_reason == " " and re.fullmatch("[a-z]+", cut.text)
 
 
-@pytest.mark.parametrize("steps,topk,num_tokens", [(3, 1, None), (3, 4, 8)], ids=["chain", "tree"])
-def test_eagle3_is_token_identical_and_valid(smollm2, prompts, reference, steps, topk, num_tokens):
-    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=steps, spec_topk=topk,
-                      spec_num_draft_tokens=num_tokens, spec_adaptive_pinned=True)
+@pytest.mark.parametrize("algorithm,steps,topk,num_tokens", [("eagle3", 3, 1, None), ("eagle3", 3, 4, 8),
+                                                             ("ngram", 4, 2, 6)], ids=["chain", "tree", "ngram_tree"])
+def test_speculation_is_token_identical_and_valid(smollm2, prompts, reference, algorithm, steps, topk, num_tokens):
+    spec = SpecConfig(algorithm, draft_model="default" if algorithm == "eagle3" else None, spec_num_steps=steps,
+                      spec_topk=topk, spec_num_draft_tokens=num_tokens, spec_adaptive_pinned=True)
     engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES), spec=spec),
                        checkpoint=smollm2)
     outs = run(engine, prompts, [p for _, p, _ in CASES])
@@ -103,7 +104,9 @@ def test_eagle3_is_token_identical_and_valid(smollm2, prompts, reference, steps,
         check(out.text, how)
         if params.greedy:
             assert out.token_ids == ref.token_ids
-    assert engine.spec_stats.accepted_tokens > 0
+    assert engine.spec_stats.verify_count > 0
+    if algorithm == "eagle3":  # n-gram matches on these short outputs are luck
+        assert engine.spec_stats.accepted_tokens > 0
 
 
 def test_logprobs_are_those_of_the_masked_distribution(plain, prompts):

@@ -161,7 +161,8 @@ def test_completion_response_and_chunks():
     body = CompletionFormatter("cmpl-1", "m", _tok, 1).response(outs)
     choice = body["choices"][0]
     assert (body["object"], body["model"], choice["text"], choice["finish_reason"]) == ("text_completion", "m", "abc", "stop")
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     lps = choice["logprobs"]
     assert lps["tokens"] == ["<10>", "<11>", "<12>"] and lps["text_offset"] == [0, 4, 8]
     assert lps["top_logprobs"][0] == {"<10>": -0.5}

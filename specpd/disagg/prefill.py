@@ -12,13 +12,21 @@ A request's life on P, keyed by its `bootstrap_room`:
      cached prefix or that D prefills itself, which P learns only then).
   2b. parked: a room prefilled before its destination came holds its pages here until it comes (then 3), or
      until `bootstrap_timeout_s` after its request (then it fails and the pages return).
+  2c. streaming (chunked prefill, D's destination known; on by default, `--no-pd-stream-chunks`): after each
+     engine step that computed a chunk but not the last, the room's newly completed full pages after D's
+     cached prefix are submitted to the transfer backend while the next chunk computes. A page is final
+     once the target and, draft-on-both, the draft extend covered its last position (`draft_kv_len`; the
+     draft KV of a chunk's last position uses the next prompt token, known then). The first such write
+     pins the request (`Scheduler.pin`: every page of its prompt now, never preempted), so nothing frees
+     or moves its pages under a write.
   3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
      draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
-     target features, captured by the engine, which then loads no draft) goes to D, then the prompt's pages
-     are submitted to the transfer backend (one descriptor per page into D's destination pages; draft-on-both:
-     the draft pool's pages too). Record first: serializing it holds the GIL the writer thread needs.
-  4. inflight queue: the transfer handle is polled every step; when done P sends `TransferDone`
-     (or `TransferFailed`), then
+     target features, captured by the engine, which then loads no draft, all of them with the record) goes
+     to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (one
+     descriptor per page into D's destination pages; draft-on-both: the draft pool's pages too). Record
+     first: serializing it holds the GIL the writer thread needs.
+  4. inflight queue: the room's transfer handles are polled every step; when all are done P sends
+     `TransferDone` (or, if any failed, `TransferFailed`: no write of the room is in flight then), then
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
      "handoff", or an error -> the router drops D's request).
 A room is unique on P: a second request or a second D's DecodeRegister for a room in use is refused
@@ -30,7 +38,8 @@ thread died); it refuses a DecodeRegister
 with a mismatched config or for a room another D owns (it tracks each room's owner until the engine thread
 sends the room's last message); everything else waits for the engine thread in its inbox.
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
-there; a room in flight finishes its transfer first (D owns the destination pages).
+there unless it streamed pages already; a room in flight (or streaming) finishes its transfer first (D owns
+the destination pages).
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from specpd.core import InvalidRequest, RequestOutput, SamplingParams
+from specpd.core import InvalidRequest, RequestOutput, RequestStatus, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
                                     KVDestination, TransferDone, TransferFailed, check_compatible, encode)
@@ -62,7 +71,9 @@ class _Room:
     info: BootstrapInfo
     identity: bytes | None = None  # D's DEALER, once registered
     destination: KVDestination | None = None
-    handle: object = None  # TransferHandle while in flight
+    handles: list = dataclasses.field(default_factory=list)  # TransferHandles: streamed chunks, then the rest
+    streamed: int = 0  # pages after D's cached prefix submitted while the prompt was still prefilling
+    error: str | None = None  # a write failed or was refused: the room fails once none is in flight
     added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
     marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
     chunks: list = dataclasses.field(default_factory=list)  # (start, end) of each prefill chunk's engine step
@@ -152,14 +163,16 @@ class PrefillWorker(DisaggWorker):
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998,
                  bootstrap_timeout_s: float = 300.0, optimistic_prefill: bool = True,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, stream_chunks: bool = True):
         super().__init__(engine, transfer_backend, host, advertise_host)
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.optimistic_prefill = optimistic_prefill
         self.optimistic_pages_max = engine.total_pages // 2  # pages rooms without a destination may hold
+        self.stream_chunks = stream_chunks  # submit each prefill chunk's full pages while the next one computes
         # completed handoffs: transfers, bytes, seconds inside the backend, descriptors (pages x pools), calls
         self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0,
-                         "prefills_skipped": 0}  # rooms D prefilled itself (its prefix cache held the rest)
+                         "prefills_skipped": 0,  # rooms D prefilled itself (its prefix cache held the rest)
+                         "kv_streamed_pages": 0}  # pages of completed handoffs written before the last chunk
         self.bootstrap_queue: dict[int, _Room] = {}
         self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
         self.parked: dict[int, _Room] = {}  # prefilled before D's destination came: holding their pages
@@ -203,7 +216,7 @@ class PrefillWorker(DisaggWorker):
                 self._drop_room_state(room, forget=True)
                 self._final(request_id, len(r.prompt_token_ids), "abort")
                 return
-        if request_id in self.prefilling:
+        if request_id in self.prefilling and not self.prefilling[request_id].handles:  # streaming: it finishes
             self.engine.abort_request(request_id)
         for room_id, r in list(self.parked.items()):
             if r.request_id == request_id:  # no write was ever issued: its D, if any, hears nothing
@@ -266,14 +279,51 @@ class PrefillWorker(DisaggWorker):
             self.control.command(b"forget", str(room).encode())
 
     def _note_chunks(self) -> None:
-        """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py)."""
+        """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py); one still
+        prefilling streams that chunk's pages."""
         start, end = self.last_step
         for rid, room in self.prefilling.items():
-            req = self.engine.scheduler.find(rid) or self.engine.take_handoff(rid)
+            running = self.engine.scheduler.find(rid)
+            req = running or self.engine.take_handoff(rid)
             computed = req.num_computed_tokens if req is not None else 0
             if computed > room.computed:
                 room.chunks.append((start, end))
+                if running is not None and running.status is RequestStatus.RUNNING and self.stream_chunks:
+                    self._stream(room, running)
             room.computed = computed
+
+    def _stream(self, room: _Room, req) -> None:
+        """Submit the full pages a prefilling room completed since its last write (module docstring, 2c)."""
+        dest = room.destination
+        if dest is None or dest.prefill_locally or self._stream_failed(room):
+            return
+        ps = self.peer_config.page_size
+        valid = req.num_computed_tokens if req.draft_kv_len is None else min(req.num_computed_tokens,
+                                                                             req.draft_kv_len)
+        first = dest.cached_tokens // ps
+        end = min(valid // ps - first, len(dest.dst_page_ids))  # in D's destination pages
+        if end <= room.streamed or not (req.kv_pinned or self.engine.scheduler.pin(req)):
+            return  # nothing new, or the pool cannot hold the whole prompt now: it all goes with the last chunk
+        if self._submit(room, req.pages[first + room.streamed:first + end], dest.dst_page_ids[room.streamed:end]):
+            room.streamed = end
+
+    def _stream_failed(self, room: _Room) -> bool:
+        """Did a write of the room fail (or was refused)? Then nothing more is sent and the room fails once its
+        other writes are done."""
+        if room.error is None:
+            failed = next((h for h in room.handles if h.poll() is TransferStatus.FAILED), None)
+            if failed is not None:
+                room.error = f"KV transfer failed: {failed.wait().error}"
+        return room.error is not None
+
+    def _submit(self, room: _Room, src: list[int], dst: list[int]) -> bool:
+        dest = room.destination
+        try:
+            room.handles.append(self.backend.submit(dest.transfer_session, src, dst, dest.pools))
+        except ValueError as e:  # D drops what it got on the TransferFailed that follows
+            room.error = f"KV transfer refused: {e}"
+            return False
+        return True
 
     def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         self._note_chunks()
@@ -333,25 +383,26 @@ class PrefillWorker(DisaggWorker):
             room.marks["admitted"] = time.monotonic()
             self.prefilling[room.request_id] = room
         for room_id, room in list(self.inflight.items()):
-            status = room.handle.poll()
-            if status is TransferStatus.PENDING:
+            if any(h.poll() is TransferStatus.PENDING for h in room.handles):
                 continue
-            del self.inflight[room_id]
-            result = room.handle.wait()
+            del self.inflight[room_id]  # no write of the room is in flight: its pages may go, D may hear
+            results = [h.wait() for h in room.handles]
             self.engine.release_handoff(room.request_id)
-            if result.ok:
+            failed = next((r for r in results if not r.ok), None)
+            if room.error is None and failed is None:
+                num_pages, num_bytes = sum(r.num_pages for r in results), sum(r.num_bytes for r in results)
                 kv = self.kv_stats
                 kv["kv_transfers"] += 1
-                kv["kv_bytes"] += result.num_bytes
-                kv["kv_transfer_s"] += result.elapsed_s
-                kv["kv_descriptors"] += result.num_pages * len(room.destination.pools)
-                kv["kv_calls"] += result.num_calls
-                self.control.send(room.identity, TransferDone(room_id, result.num_pages, result.num_bytes),
-                                  end_room=room_id)
+                kv["kv_bytes"] += num_bytes
+                kv["kv_transfer_s"] += sum(r.elapsed_s for r in results)
+                kv["kv_descriptors"] += num_pages * len(room.destination.pools)
+                kv["kv_calls"] += sum(r.num_calls for r in results)
+                kv["kv_streamed_pages"] += room.streamed
+                self.control.send(room.identity, TransferDone(room_id, num_pages, num_bytes), end_room=room_id)
                 self._final(room.request_id, len(room.prompt_token_ids), "handoff")
                 self._observe(room)
             else:
-                self._fail(room, f"KV transfer failed: {result.error}", notify_decode=True)
+                self._fail(room, room.error or f"KV transfer failed: {failed.error}", notify_decode=True)
 
     def _attach(self, room: _Room) -> None:
         """D's DecodeRegister and KVDestination for the room came: the room knows where its KV goes."""
@@ -374,10 +425,14 @@ class PrefillWorker(DisaggWorker):
         self._send(room)
 
     def _send(self, room: _Room) -> None:
+        """The last chunk is computed: the record, then every page not streamed yet; the room goes in flight."""
         req = self.engine.take_handoff(room.request_id)
         dest = room.destination
         first = dest.cached_tokens // self.peer_config.page_size  # D's prefix cache holds the pages before
-        src = req.pages[first:first + len(dest.dst_page_ids)]
+        if self._stream_failed(room):  # it fails once the writes already submitted are done
+            self.inflight[room.info.room] = room
+            return
+        src = req.pages[first + room.streamed:first + len(dest.dst_page_ids)]
         lp = req.output_logprobs[0] if req.output_logprobs else None
         top = {}
         if lp is not None and lp.top:
@@ -392,12 +447,8 @@ class PrefillWorker(DisaggWorker):
         # is not holding the GIL for it while the writer thread needs it around its transfer call
         self.control.send(room.identity, record)
         room.marks["record"] = time.monotonic()
-        try:
-            room.handle = self.backend.submit(dest.transfer_session, src, dest.dst_page_ids, dest.pools)
-        except ValueError as e:  # D drops the record on the TransferFailed that follows
-            self.engine.release_handoff(room.request_id)
-            self._fail(room, f"KV transfer refused: {e}", notify_decode=True)
-            return
+        if src:
+            self._submit(room, src, dest.dst_page_ids[room.streamed:])
         room.marks["kv_submitted"] = time.monotonic()
         self.inflight[room.info.room] = room
 

@@ -10,7 +10,9 @@ A request's life:
      num_computed; `commit` then advances num_computed past the accepted path and frees whole
      surplus pages (rollback is a length change).
   4. When pages run out for running requests, the newest running request is preempted: its pages are
-     freed and it returns to the front of the waiting queue to be recomputed (outputs kept).
+     freed and it returns to the front of the waiting queue to be recomputed (outputs kept). A pinned
+     request (`pin`: PD prefill whose pages are being streamed to D) holds pages for its whole prompt and
+     is never preempted.
   5. `finish` (stop / length / abort) frees its pages; the pool's free count returns to its start.
 Prefix cache (`cache`, specpd/kv/radix.py): at admission a request takes the longest cached prefix of its
 tokens (whole pages, never its last token: the step that samples must run) and computes from there; when it
@@ -137,8 +139,19 @@ class Scheduler:
         request.pages.extend(self.allocator.alloc(extra))
         return True
 
+    def pin(self, request: Request) -> bool:
+        """Give a running prefill-only `request` every page its prefill can take now, and never preempt it
+        (PD prefill: writes to D read its pages while it prefills, so it must never wait for pages it
+        cannot get); False if the pool is short. A last chunk of one token is scheduled as a decode
+        (`decode_width` slots from N-1)."""
+        if not self._grow(request, request.num_tokens - 1 + self.decode_width):
+            return False
+        request.kv_pinned = True
+        return True
+
     def _preempt_newest(self, batch: ScheduledBatch, keep: Request) -> bool:
-        victims = [r for r in self.running if r is not keep and all(it.request is not r for it in batch.items)]
+        victims = [r for r in self.running if r is not keep and not r.kv_pinned
+                   and all(it.request is not r for it in batch.items)]
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.seq_no)
@@ -195,6 +208,6 @@ class Scheduler:
         req = item.request
         req.num_computed_tokens = item.start + num_committed_slots
         keep = pages_needed(req.num_computed_tokens + 1, self.page_size)
-        if len(req.pages) > keep:
+        if len(req.pages) > keep and not req.kv_pinned:  # a pinned prefill holds its whole prompt's pages
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]

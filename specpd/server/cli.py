@@ -159,7 +159,8 @@ def serve(args: argparse.Namespace) -> int:
         from specpd.disagg.prefill import PrefillWorker
         engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
                                bootstrap_timeout_s=args.pd_bootstrap_timeout,
-                               optimistic_prefill=args.pd_optimistic_prefill, advertise_host=advertise)
+                               optimistic_prefill=args.pd_optimistic_prefill, advertise_host=advertise,
+                               stream_chunks=args.pd_stream_chunks)
     elif args.role == "decode":
         from specpd.disagg.decode import DecodeWorker
         engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
@@ -289,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--pd-optimistic-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill: start a request's prefill before its decode server offered pages (rooms "
                          "without them hold at most half of P's pool and wait --pd-bootstrap-timeout at most)")
+    pd.add_argument("--pd-stream-chunks", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill: with chunked prefill, write each chunk's full KV pages to the decode server "
+                         "while the next chunk computes (the handoff record and the last pages follow the last "
+                         "chunk)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=300.0, metavar="S",
                     help="decode: fail a request whose handoff record has not come S seconds after the pages "
                          "were offered (waiting for prefill) (default: 300)")

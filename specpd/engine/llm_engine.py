@@ -330,6 +330,8 @@ class LLMEngine:
                 reason = "length"
             if reason is not None:
                 req.stop_reason = stop_reason
+                if self._draft_kv and self.prefix_cache is not None:
+                    self.spec_runner.settle_draft_kv(req)  # before its pages go to the cache
                 self.scheduler.finish(req, reason)
                 break
         self.counters["generation_tokens"] += len(appended)

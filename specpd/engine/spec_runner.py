@@ -146,6 +146,13 @@ class SpecRunner:
         logits = runner.model.compute_logits(hidden[logit_rows]) if logit_rows else hidden.new_zeros(0, 0)
         return hidden, features, logits
 
+    @torch.inference_mode()
+    def settle_draft_kv(self, request) -> None:
+        """A finishing request's deferred draft extends, run now so its draft KV is valid over everything it
+        committed: the prefix cache then keeps all its full pages, not only those before its last draft."""
+        if request.request_id in self._deferred:
+            self._catch_up([request])
+
     def _catch_up(self, requests) -> None:
         """Run the deferred draft extends of requests about to draft: one slice per request."""
         extends = []

@@ -140,11 +140,10 @@ class Scheduler:
         return True
 
     def pin(self, request: Request) -> bool:
-        """Give a running prefill-only `request` every page its prefill can take now, and never preempt it
+        """Give a running prefill-only `request` the pages of its whole prompt now, and never preempt it
         (PD prefill: writes to D read its pages while it prefills, so it must never wait for pages it
-        cannot get); False if the pool is short. A last chunk of one token is scheduled as a decode
-        (`decode_width` slots from N-1)."""
-        if not self._grow(request, request.num_tokens - 1 + self.decode_width):
+        cannot get); False if the pool is short."""
+        if not self._grow(request, request.num_tokens):
             return False
         request.kv_pinned = True
         return True
@@ -172,7 +171,9 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted below by an older request
                 continue
-            spec = self.decode_width > 1 and req.num_computed_tokens == req.num_tokens - 1
+            # a prompt whose last chunk is one token still prefills it (y0 and the first draft state come from it)
+            spec = (self.decode_width > 1 and bool(req.output_token_ids)
+                    and req.num_computed_tokens == req.num_tokens - 1)
             n = self.decode_width if spec else min(req.num_tokens - req.num_computed_tokens, budget,
                                                    cfg.chunked_prefill_size)
             while not self._grow(req, req.num_computed_tokens + n):

@@ -131,3 +131,15 @@ def test_max_tokens_never_exceeded(target, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = run_all(engine, PROMPTS, params, references=expected)
     assert [o.token_ids for o in outs] == [e[:max_tokens] for e in expected]
+
+
+def test_a_last_prefill_chunk_of_one_token_is_a_prefill(target, tmp_path):
+    """A prompt of 2 chunks + 1 token: the last token is prefilled (it samples y0 and makes the first draft
+    state), not verified as a decode; output and acceptance are those of one chunk."""
+    path, _ = target
+    random_draft_checkpoint(str(tmp_path), "eagle", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=1)
+    spec = SpecConfig("eagle", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive=False)
+    prompt = [list(range(60, 77))]
+    chunked, whole = [run_all(engine_for(path, spec, chunk=chunk), prompt, GREEDY)[0] for chunk in (8, 512)]
+    assert (chunked.token_ids, chunked.spec_verify_count, chunked.spec_accepted_tokens) == \
+        (whole.token_ids, whole.spec_verify_count, whole.spec_accepted_tokens)

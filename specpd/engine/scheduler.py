@@ -195,6 +195,7 @@ class Scheduler:
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cfg.chunked_prefill_size)
             if not self._grow(req, req.num_computed_tokens + n):
+                self._release(req)  # a request that waits holds nothing: its matched pages stay evictable
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -43,10 +43,12 @@ def tail(path: str, n: int = 4000) -> str:
 
 @contextlib.contextmanager
 def serve_processes(specs: list[list[str]], timeout_s: float, cpus: list[str | None] | None = None,
-                    env: dict[str, str] | None = None):
+                    env: dict[str, str] | None = None, wrappers: list[list[str]] | None = None,
+                    hosts: list[str] | None = None):
     """Start every `specpd serve --port FREE ARGS` at once (`cpus[i]`: a taskset CPU list for spec i, where
-    taskset exists); yields [(proc, base URL, log path)] once all answer /health; stops them afterwards.
-    Raises ServerStartError if one exits or is not healthy within `timeout_s`."""
+    taskset exists; `wrappers[i]`: a command it runs under, e.g. `ip netns exec NS`; `hosts[i]`: the address
+    its base URL uses, default 127.0.0.1); yields [(proc, base URL, log path)] once all answer /health; stops
+    them afterwards. Raises ServerStartError if one exits or is not healthy within `timeout_s`."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     procs = []
@@ -57,9 +59,12 @@ def serve_processes(specs: list[list[str]], timeout_s: float, cpus: list[str | N
             cpu = cpus[i] if cpus else None
             if cpu is not None and shutil.which("taskset"):
                 cmd = ["taskset", "-c", cpu, *cmd]
+            if wrappers:
+                cmd = [*wrappers[i], *cmd]
             log = tempfile.NamedTemporaryFile("w+", prefix="specpd-serve-", suffix=".log", delete=False)
+            host = hosts[i] if hosts else "127.0.0.1"
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
-                          f"http://127.0.0.1:{port}", log))
+                          f"http://{host}:{port}", log))
         deadline = time.monotonic() + timeout_s
         for proc, base, log in procs:
             while not healthy(base):

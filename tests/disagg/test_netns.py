@@ -9,21 +9,17 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 import uuid
 
 import httpx
 import pytest
 
 from specpd.disagg.transfer import backend_available
-from specpd.server.launch import REPO, tail
+from specpd.server.launch import REPO, ServerStartError, serve_processes
 from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
 
 SUBNET = "10.203.0"
 ADDR = {"p": f"{SUBNET}.1", "d": f"{SUBNET}.2", "r": f"{SUBNET}.3"}
-PORT = {"p": 18101, "d": 18102, "r": 18100}
 BOOT = 18998
 
 
@@ -68,44 +64,17 @@ def _teardown(made):
             _ip(kind, "del", name)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def in_namespaces(names, specs: dict[str, list[str]], timeout_s: float = 180):
-    """`specpd serve` per role inside its namespace; yields once each answers /health from here."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OPENBLAS_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
-    procs = []
+    """`specpd serve` per role inside its namespace; yields {role: base URL} once each answers from here."""
+    roles = list(specs)
     try:
-        for k, args in specs.items():
-            log = tempfile.NamedTemporaryFile("w+", prefix=f"specpd-netns-{k}-", suffix=".log", delete=False)
-            cmd = ["ip", "netns", "exec", names[k], sys.executable, "-m", "specpd", "serve",
-                   "--port", str(PORT[k]), "--log-level", "warning", *args]
-            procs.append((k, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        deadline = time.monotonic() + timeout_s
-        for k, proc, log in procs:
-            while not _healthy(f"http://{ADDR[k]}:{PORT[k]}"):
-                assert proc.poll() is None, f"{k} exited with {proc.returncode}:\n{tail(log.name)}"
-                assert time.monotonic() < deadline, f"{k} not healthy after {timeout_s}s:\n{tail(log.name)}"
-                time.sleep(0.3)
-        yield
-    finally:
-        for _, proc, _ in procs:
-            proc.terminate()
-        for _, proc, log in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-            os.unlink(log.name)
+        with serve_processes([["--log-level", "warning", *specs[k]] for k in roles], timeout_s,
+                             env={"MC_LOG_LEVEL": "ERROR"}, wrappers=[["ip", "netns", "exec", names[k]] for k in roles],
+                             hosts=[ADDR[k] for k in roles]) as procs:
+            yield {k: base for k, (_, base, _) in zip(roles, procs)}
+    except ServerStartError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("backend", ["tcp", "mooncake"])
@@ -114,16 +83,16 @@ def test_pd_across_network_namespaces(namespaces, model_dir, expected, backend):
     if not ok:
         pytest.skip(why)
     engine = [*engine_args(model_dir), "--transfer-backend", backend]
-    p_url, d_url = f"http://{ADDR['p']}:{PORT['p']}", f"http://{ADDR['d']}:{PORT['d']}"
     specs = {"p": ["--role", "prefill", "--host", "0.0.0.0", "--advertise-host", ADDR["p"],
                    "--bootstrap-port", str(BOOT), *engine],
              "d": ["--role", "decode", "--host", ADDR["d"], *engine]}
-    with in_namespaces(namespaces, specs):
+    with in_namespaces(namespaces, specs) as urls:
+        p_url, d_url = urls["p"], urls["d"]
         info = httpx.get(p_url + "/server_info").json()
         assert info["bootstrap_host"] == ADDR["p"]
         with in_namespaces(namespaces, {"r": ["--role", "router", "--host", ADDR["r"], "--prefill", p_url,
-                                              "--decode", d_url]}):
-            with httpx.Client(base_url=f"http://{ADDR['r']}:{PORT['r']}", timeout=60) as client:
+                                              "--decode", d_url]}) as router:
+            with httpx.Client(base_url=router["r"], timeout=60) as client:
                 for prompt, want in zip(PROMPTS, expected):
                     resp = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
                                                                 "temperature": 0, "ignore_eos": True, "logprobs": 0})

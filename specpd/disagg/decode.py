@@ -371,9 +371,8 @@ class DecodeWorker(DisaggWorker):
                 continue
             if cached:
                 room.cache_node, room.cached_tokens = match.node, cached
-                cache.hit_tokens += cached
-            if cache is not None:
-                cache.query_tokens += n
+            if cache is not None:  # a local prefill is counted by the engine's own match instead
+                cache.count_lookup(n, cached)
             room.pages = (list(match.pages) if cached else []) + allocator.alloc(need)
             room.marks["offered"] = time.monotonic()  # before the send: P may start before this thread resumes
             self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,

@@ -100,10 +100,9 @@ class Scheduler:
                 payloads = self.page_payloads(request, valid // self.page_size)
                 if payloads is None:
                     valid = 0  # pages without the payload every cached page must carry: not cached
+            if request.cache_node is not None:  # the pages it matched are valid and stay the cache's
+                valid = max(valid, request.cache_node.depth * self.page_size)
             rest = cache.insert(request.all_token_ids, request.pages, valid, payloads) if request.pages else []
-            if request.cache_node is not None:  # the cached pages it matched stay the cache's, whatever `valid`
-                held = set(cache.path_pages(request.cache_node))
-                rest = [p for p in rest if p not in held]
             cache.unlock(request.cache_node)
             request.cache_node = None
             if rest:

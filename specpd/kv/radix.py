@@ -92,9 +92,13 @@ class RadixCache:
             pages.append(child.page)
             payloads.append(child.payload)
         if count:
-            self.query_tokens += len(tokens)
-            self.hit_tokens += len(pages) * self.page_size
+            self.count_lookup(len(tokens), len(pages) * self.page_size)
         return PrefixMatch(node if pages else None, pages, payloads)
+
+    def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count a lookup made with `match(count=False)` once its caller knows it will use it."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
 
     def lock(self, node: RadixNode | None) -> None:
         while node is not None and node is not self.root:
@@ -142,18 +146,6 @@ class RadixCache:
             k += 1
         rest.extend(pages[k:])
         return rest
-
-    def path_pages(self, node: RadixNode | None) -> list[int]:
-        """The pages from the root down to `node`."""
-        pages = []
-        while node is not None and node is not self.root:
-            pages.append(node.page)
-            node = node.parent
-        return pages[::-1]
-
-    def owns(self, page: int) -> bool:
-        """Not O(1); for tests and assertions."""
-        return any(n.page == page for n in self._nodes())
 
     # -- eviction --------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:

@@ -15,7 +15,14 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      times; the plan is kept only if it beats everyone at depth 0.
   4. A request at depth 0 re-probes depth 1 after `probe_every` rounds (doubling while probes fail),
      so a draft that became useful is noticed; its draft extend is deferred until it speculates again
-     (SpecRunner keeps the features), so a useless draft costs nothing per step.
+     (SpecRunner keeps the features), so a useless draft costs nothing per step. The deferred tokens are
+     part of what speculating costs (the catch-up extend runs over them), and probes draw on an
+     engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
+     while its gain is one request's, so at batch 16 sixteen requests probing on their own schedules
+     would cost far more than one does at batch 1.
+  5. Whatever a speculating round costs outside the target forward (draft forwards, the catch-up,
+     building trees and masks, verifying) is measured each round against what the cost model predicted
+     for its draft forwards, and the ratio scales the draft costs from then on (`CostModel.draft_scale`).
 It changes speed, never output: the verify is lossless whatever the depth.
 `frozen=True` (tests): no online refinement and no engine-wide learning, so a request's plan depends
 only on its own history (PD and unified then take identical rounds).
@@ -32,6 +39,9 @@ DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance 
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 PROBE_MIN, PROBE_MAX = 8, 128
+PROBE_BUDGET = 0.015  # share of the modelled round time probes may spend (not frozen)
+PROBE_CREDIT_ROUNDS = 64  # the budget saves up at most this many rounds' worth
+DRAFT_SCALE_RANGE = (0.5, 8.0)
 
 
 class PiecewiseLinear:
@@ -68,6 +78,9 @@ class CostModel:
         self.per_request = per_request  # extra seconds per further request in the batch
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
+        # measured / predicted seconds of what a speculating round adds outside the target forward
+        self.draft_scale = 1.0
+        self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
 
     @classmethod
     def pinned(cls, with_draft: bool) -> "CostModel":
@@ -81,19 +94,30 @@ class CostModel:
     def draft(self, rows: int) -> float:
         if rows <= 0 or self.draft_rows is None:
             return 0.0
-        return self.draft_rows(rows)
+        return self.draft_rows(rows) * self.draft_scale
 
     def observe_target(self, requests: int, rows: int, seconds: float) -> None:
         if not self.frozen:
             self.target_rows.refine(rows, seconds - self.per_request * max(requests - 1, 0), ONLINE_RATE)
 
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        if not self.frozen and self.draft_rows is not None and rows > 0:
-            self.draft_rows.refine(rows, seconds, ONLINE_RATE)
+    def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float) -> None:
+        """One decode round (no prefill in it): `outside_s` = its seconds outside the target forward,
+        `predicted_draft_s` = what `draft` predicted for its draft forwards."""
+        if self.frozen or requests <= 0 or (speculated and predicted_draft_s <= 0):
+            return  # a model-free drafter's rounds: no draft forward to scale
+        if not speculated:
+            per = outside_s / requests
+            self.off_overhead = per if self.off_overhead is None else \
+                self.off_overhead + ONLINE_RATE * (per - self.off_overhead)
+        elif self.off_overhead is not None:
+            excess = max(outside_s - self.off_overhead * requests, 1e-6)
+            ratio = excess / (predicted_draft_s / self.draft_scale)
+            lo, hi = DRAFT_SCALE_RANGE
+            self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
 
     def as_dict(self) -> dict:
         return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
-                "per_request": self.per_request,
+                "per_request": self.per_request, "draft_scale": self.draft_scale, "off_overhead": self.off_overhead,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
 
 
@@ -128,6 +152,8 @@ class AdaptivePolicy:
         self.global_accept = [PRIOR_ACCEPT] * num_steps
         self.stats = PlanStats()
         self._stats: dict[str, RequestStats] = {}
+        self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
+        self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
 
     # -- shape of a round -------------------------------------------------------------------
     def rows(self, k: int) -> int:
@@ -176,21 +202,24 @@ class AdaptivePolicy:
         return out
 
     # -- the plan ---------------------------------------------------------------------------
-    def plan(self, request_ids: list[str], other_requests: int = 0, other_rows: int = 0) -> list[tuple[int, int]]:
+    def plan(self, request_ids: list[str], other_requests: int = 0, other_rows: int = 0,
+             pending: list[int] | None = None) -> list[tuple[int, int]]:
         """(num_steps, num_draft_tokens) per request; (0, 1) = plain decode. other_*: prefill items
-        sharing the target forward."""
+        sharing the target forward; pending: each request's deferred draft-extend tokens (the catch-up
+        it runs if it speculates now)."""
         n = len(request_ids)
         if n == 0:
             return []
+        pending = list(pending) if pending is not None else [0] * n
         gains = [self.expected_tokens(self.accept_rates(r)) for r in request_ids]
-        base_time = self._round_time([0] * n, gains, other_requests, other_rows)
+        extra = (gains, pending, other_requests, other_rows)
+        base_time = self._round_time([0] * n, *extra)
         # start from the best depth shared by everyone (a draft forward's fixed cost is shared, which
         # one request's marginal view would not see), then let each request move from there
-        uniform = max(range(self.num_steps + 1), key=lambda k: sum(g[k] for g in gains)
-                      / self._round_time([k] * n, gains, other_requests, other_rows))
+        uniform = max(range(self.num_steps + 1),
+                      key=lambda k: sum(g[k] for g in gains) / self._round_time([k] * n, *extra))
         depth = [uniform] * n
-        lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, gains, other_requests,
-                                                                                    other_rows))
+        lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, *extra))
         cost, steps = self.cost, self.num_steps
         for _ in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
@@ -200,45 +229,63 @@ class AdaptivePolicy:
             # marginal seconds of one request's frontier at draft level s, whether or not it is there now
             add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
             own = [cost.draft(level_rows[s]) - cost.draft(level_rows[s] - self.frontier(s)) for s in range(steps)]
-            ext_total = sum(g[k] for g, k in zip(gains, depth) if k > 0)
+            ext_total = sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0)
             new = []
             for i in range(n):
-                ext_rows = ext_total - (gains[i][depth[i]] if depth[i] > 0 else 0.0)
+                ext_rows = ext_total - (gains[i][depth[i]] + pending[i] if depth[i] > 0 else 0.0)
                 ext_base = cost.draft(ext_rows)
                 best_k, best_v, draft = 0, 0.0, 0.0
                 for k in range(1, steps + 1):
                     if k > 1:
                         draft += own[k - 1] if depth[i] > k - 1 else add[k - 1]
-                    extend = cost.draft(ext_rows + gains[i][k]) - ext_base
+                    extend = cost.draft(ext_rows + gains[i][k] + pending[i]) - ext_base
                     value = (gains[i][k] - 1.0) - lam * ((self.rows(k) - 1) * row_cost + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
             depth = new
-            lam = max(lam, sum(g[k] for g, k in zip(gains, depth))
-                      / self._round_time(depth, gains, other_requests, other_rows))
-        if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, gains, other_requests, other_rows) \
-                <= n / base_time:
+            lam = max(lam, sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra))
+        if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
-        plans = []
-        for rid, k in zip(request_ids, depth):
+        self._probe(request_ids, depth, extra)
+        self.last_draft_s = self._round_time(depth, *extra, draft_only=True)
+        return [(k, self.budget(k) if k else 1) for k in depth]
+
+    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> None:
+        """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
+        engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only)."""
+        ready = []
+        for i, rid in enumerate(request_ids):
             st = self._get(rid)
             st.probing = False
-            if k == 0:
+            if depth[i] == 0:
                 st.idle_rounds += 1
                 if st.idle_rounds >= st.probe_every:
-                    k, st.probing, st.idle_rounds = 1, True, 0
+                    ready.append((st.idle_rounds - st.probe_every, i, st))
             else:
                 st.idle_rounds = 0
-            plans.append((k, self.budget(k) if k else 1))
-        return plans
+        now = self._round_time(depth, *extra)
+        if not self.frozen:
+            self.probe_credit = min(self.probe_credit + PROBE_BUDGET * now, PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now)
+        for _, i, st in sorted(ready, key=lambda r: -r[0]):
+            depth[i] = 1
+            if not self.frozen:
+                trial = self._round_time(depth, *extra)
+                if trial - now > self.probe_credit:
+                    depth[i] = 0  # stays ready: it probes once the budget allows
+                    continue
+                self.probe_credit -= trial - now
+                now = trial
+            st.probing, st.idle_rounds = True, 0
 
-    def _round_time(self, depth: list[int], gains: list[list[float]], other_requests: int, other_rows: int) -> float:
-        rows = other_rows + sum(self.rows(k) for k in depth)
-        t = self.cost.target(other_requests + len(depth), rows)
+    def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
+                    other_rows: int, draft_only: bool = False) -> float:
+        t = 0.0
+        if not draft_only:
+            t = self.cost.target(other_requests + len(depth), other_rows + sum(self.rows(k) for k in depth))
         for s in range(1, self.num_steps):
             t += self.cost.draft(sum(self.frontier(s) for k in depth if k > s))
-        t += self.cost.draft(int(round(sum(g[k] for g, k in zip(gains, depth) if k > 0))))
+        t += self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0))))
         return t
 
     # -- feedback ---------------------------------------------------------------------------

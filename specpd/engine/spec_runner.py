@@ -65,9 +65,12 @@ class SpecRunner:
         decode = [it for it in items if it.spec_decode]
         requests = [it.request for it in decode]
         plans = None
+        t_round = time.perf_counter()
         if policy is not None and decode:
             others = [it for it in items if not it.spec_decode]
-            plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others))
+            pending = [sum(len(p.token_ids) for p in self._deferred.get(r.request_id, ())) for r in requests]
+            plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
+                                pending)
             self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0])
         trees = dict(zip((id(it) for it in decode),
                          self.proposer.propose(requests, [it.start for it in decode], plans)))
@@ -100,8 +103,9 @@ class SpecRunner:
         hidden, features, logits = self._target_forward(ids, positions, q_lens,
                                                         [it.start + q for it, q in zip(items, q_lens)],
                                                         [it.request.pages for it in items], masks, logit_rows)
+        target_s = time.perf_counter() - t0
         if policy is not None:
-            policy.cost.observe_target(len(items), len(ids), time.perf_counter() - t0)
+            policy.cost.observe_target(len(items), len(ids), target_s)
         # -- 2. sample / verify ------------------------------------------------------------
         results: list[SampledTokens] = []
         extends: list[DraftExtend] = []
@@ -129,6 +133,9 @@ class SpecRunner:
         # -- 3. the proposer catches up ----------------------------------------------------
         if extends:
             self.proposer.extend(extends)
+        if plans is not None and len(decode) == len(items):  # a prefill's extend is not the draft's round cost
+            policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s,
+                                      any(steps > 0 for steps, _ in plans), policy.last_draft_s)
         return results
 
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):

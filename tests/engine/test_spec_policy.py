@@ -6,7 +6,7 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
-from specpd.engine.spec_policy import PROBE_MIN, AdaptivePolicy, CostModel
+from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_MIN, AdaptivePolicy, CostModel
 from specpd.model.loader import load_checkpoint
 from tests.model.hf_models import save_tiny_model
 
@@ -80,6 +80,49 @@ def test_per_request_depths_differ_by_acceptance():
     st.attempted[0], st.accepted[0] = 40.0, 0.0
     plans = dict(zip(["good", "bad"], policy.plan(["good", "bad"])))
     assert plans["good"][0] >= 3 and plans["bad"][0] == 0
+
+
+def test_probes_stay_within_the_engine_wide_budget_at_large_batches():
+    """16 requests with a useless draft: on their own schedules nearly every round would hold a probe;
+    the budget keeps the probes' modelled cost within PROBE_BUDGET of the modelled time (+ what it saved)."""
+    ids = [f"r{i}" for i in range(16)]
+    policy = policy_with(memory_bound(), rate=0.0, ids=ids)
+    policy.frozen = False  # the budget is off when frozen
+    spent = total = 0.0
+    probes = 0
+    for _ in range(400):
+        before = policy.probe_credit
+        plans = policy.plan(ids)
+        base = policy._round_time([0] * 16, [[1.0] * 6] * 16, [0] * 16, 0, 0)
+        total += base
+        spent += max(0.0, before + PROBE_BUDGET * base - policy.probe_credit)
+        for rid, (k, _) in zip(ids, plans):
+            if k:
+                probes += 1
+                policy.observe(rid, 1, 0)
+    assert probes > 0
+    assert spent <= PROBE_BUDGET * total * 1.01
+    assert probes < 16 * 400 / PROBE_MIN / 4  # far fewer than the per-request schedules alone
+
+
+def test_deferred_catch_up_counts_against_speculating():
+    """A request whose draft extend is far behind pays a long catch-up to speculate: a marginal depth that
+    pays with nothing deferred does not with 200 tokens deferred (the draft table grows past 64 rows)."""
+    policy = policy_with(memory_bound(), rate=0.3)
+    assert policy.plan(["a"], pending=[0])[0][0] >= 1
+    assert policy.plan(["a"], pending=[200])[0][0] == 0
+
+
+def test_draft_scale_follows_what_speculating_rounds_cost_outside_the_target():
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 10 * MS})
+    for _ in range(50):
+        cost.observe_round(4, 4 * MS, False, 0.0)  # 1 ms per request outside the target at depth 0
+    assert cost.off_overhead == pytest.approx(MS)
+    for _ in range(100):
+        cost.observe_round(4, 4 * MS + 3 * cost.draft_rows(8), True, cost.draft(8))  # 3x the measured table
+    assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
+    cost.observe_round(4, 1.0, True, 0.0)  # a model-free drafter's round: nothing to scale
+    assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
 
 
 def test_observe_updates_conditional_rates():

@@ -18,7 +18,10 @@ Per request, and in one bounded store shared across requests:
      ancestor-closed. A request with no match gets a root-only tree: a plain decode step.
   4. When a request finishes its output enters the shared store (`NgramStore`), which forgets its
      oldest sequences past `max_tokens` (the memory bound).
-Proposals are deterministic (one-hot q), so verify stays lossless however the tree is pruned.
+Proposals are deterministic (one-hot q), so verify stays lossless however the tree is pruned. A request
+with a grammar (structured output) drafts only tokens its grammar allows along the path: a walk with the
+matcher per expanded node, rolled back (verify masks the target anyway; this keeps refused tokens from
+taking the tree's slots).
 """
 from __future__ import annotations
 
@@ -145,8 +148,10 @@ class NgramProposer(Proposer):
             idx.indexed = len(tokens)
         return tokens
 
-    def candidates(self, req: Request, tail: list[int]) -> list[tuple[int, float]]:
-        """[(token, estimated acceptance)] best first, at most topk, for the token after `tail`."""
+    def candidates(self, req: Request, tail: list[int], path: list[int] | None = None) -> list[tuple[int, float]]:
+        """[(token, estimated acceptance)] best first, at most topk, for the token after `tail`. With a
+        grammar, `path` is the draft path from the root: candidates the grammar refuses after it are dropped
+        before the topk cut (verify would reject them; a lower-ranked allowed token takes the slot)."""
         own_n, own = self._index[req.request_id].counts.lookup(tail, self.min_match)
         shared_n, shared = self.store.counts.lookup(tail, self.min_match)
         counts = own if own_n >= shared_n else shared
@@ -154,8 +159,11 @@ class NgramProposer(Proposer):
             return []
         total = sum(counts.values())
         order = list(counts.items())  # recency order: later = more recent
-        ranked = sorted(range(len(order)), key=lambda i: (order[i][1], i), reverse=True)[: self.topk]
-        return [(order[i][0], order[i][1] / (total + 1)) for i in ranked]
+        ranked = sorted(range(len(order)), key=lambda i: (order[i][1], i), reverse=True)
+        if req.grammar is not None:
+            allowed = req.grammar.allowed_after(path or [], [order[i][0] for i in ranked], limit=self.topk)
+            ranked = [i for i, ok in zip(ranked, allowed) if ok]
+        return [(order[i][0], order[i][1] / (total + 1)) for i in ranked[: self.topk]]
 
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         trees = []
@@ -177,7 +185,7 @@ class NgramProposer(Proposer):
             if depths[node] >= num_steps:
                 return
             tail = (root_tail + paths[node])[-self.max_match:]
-            for token, p in self.candidates(req, tail):
+            for token, p in self.candidates(req, tail, paths[node]):
                 heapq.heappush(heap, (-scores[node] * p, tie, node, token, depths[node] + 1))
                 tie += 1
 

@@ -10,7 +10,9 @@ nothing else does). Masks are read from that state without changing it:
     against the target distribution *masked at that node*; a draft token the grammar refuses has
     probability 0 under its parent's mask and is never accepted;
   - `mask_after(grammar, paths)`: 0 / -inf [len(paths), vocab] for the drafter, which masks its own
-    proposals with it (through d2t for a reduced draft vocabulary).
+    proposals with it (through d2t for a reduced draft vocabulary);
+  - `RequestGrammar.allowed_after(path, tokens)`: which of a few candidate tokens the grammar allows after a
+    path, for the n-gram drafter, which prunes its candidates with it.
 Rows for states past the end (after EOS) or past a refused token are left unmasked: nothing after them
 is committed.
 """
@@ -95,7 +97,7 @@ class RequestGrammar:
         for j, path in enumerate(paths):
             accepted = 0
             for token in path:
-                if not m.accept_token(int(token)):
+                if m.is_terminated() or not m.accept_token(int(token)):
                     break
                 accepted += 1
             if accepted == len(path) and not m.is_terminated():
@@ -104,6 +106,32 @@ class RequestGrammar:
                 m.rollback(accepted)
         _unmask_empty_rows(bitmask)
         return bitmask
+
+    def allowed_after(self, path: list[int], tokens: list[int], limit: int | None = None) -> list[bool]:
+        """Which of `tokens` the grammar allows after committed output + path (all False past a refused
+        token or EOS; tokens after the first `limit` allowed ones are not tried: False). A walk with accept /
+        rollback that leaves the state where it was: one accept per token, no bitmask, so a model-free
+        drafter can prune its candidates for a few microseconds."""
+        t0 = time.perf_counter()
+        m = self._matcher
+        allowed = [False] * len(tokens)
+        walked = 0
+        for token in path:
+            if m.is_terminated() or not m.accept_token(int(token)):
+                break
+            walked += 1
+        if walked == len(path) and not m.is_terminated():
+            found = 0
+            for j, token in enumerate(tokens):
+                if limit is not None and found == limit:
+                    break
+                if m.accept_token(int(token)):
+                    allowed[j], found = True, found + 1
+                    m.rollback(1)
+        if walked:
+            m.rollback(walked)
+        self.stats.mask_seconds += time.perf_counter() - t0
+        return allowed
 
 
 def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:

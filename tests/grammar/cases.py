@@ -31,7 +31,11 @@ CASES = [
     ("Is the sky blue?", SamplingParams(max_tokens=8, temperature=0.0, constraint_kind="choice",
                                         constraint_spec=json.dumps(CHOICES)), ("choice", CHOICES)),
     ("Is water wet? Answer in JSON.", schema_params(SHORT, temperature=1.0, seed=7), ("json", SHORT)),
+    # text to copy, laid out unlike the grammar's compact JSON: n-gram candidates the grammar refuses
+    ("Copy this JSON exactly:\n{\n  \"city\": \"Tokyo\",\n  \"address\": {\n    \"zip\": \"10115\"\n  },\n"
+     "  \"scores\": [12, 85]\n}", schema_params(PERSON, temperature=0.0), ("json", PERSON)),
 ]
+COPY = len(CASES) - 1
 
 
 def check(text, how):

@@ -124,7 +124,7 @@ class ChatFormatter(_Formatter):
         super().__init__(*args, **kwargs)
         self._sent_role = False
         self.tool_choice = tool_choice
-        self._tool_text = ""  # a tool call streams as one delta once complete
+        self._tool_stream = None  # specpd.grammar.tools.ToolCallStream: streamed tool_calls deltas
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.decode_token(token_id)
@@ -159,12 +159,15 @@ class ChatFormatter(_Formatter):
             chunks.append(self._delta_chunk({"role": "assistant", "content": ""}))
         lps = out.new_logprobs or []
         finish_reason = out.finish_reason
-        if self.tool_choice is not None:
-            self._tool_text += out.new_text
-            if out.finished:
-                message, finish_reason = self._message(self._tool_text, out.finish_reason)
-                calls = [{"index": i, **c} for i, c in enumerate(message.get("tool_calls") or [])]
-                chunks.append(self._delta_chunk({"tool_calls": calls} if calls else {"content": message["content"]}))
+        if self.tool_choice is not None:  # like OpenAI: the call's opening delta, then argument fragments
+            if self._tool_stream is None:
+                from specpd.grammar.tools import ToolCallStream
+                self._tool_stream = ToolCallStream(self.tool_choice)
+            calls = self._tool_stream.feed(out.new_text)
+            if calls:
+                chunks.append(self._delta_chunk({"tool_calls": calls}))
+            if out.finished and finish_reason == "stop" and not self.tool_choice.named:
+                finish_reason = "tool_calls"
         elif out.new_text or (lps and self.top_logprobs is not None):
             chunks.append(self._delta_chunk({"content": out.new_text}, self._logprobs(lps)))
         if out.finished:

@@ -142,16 +142,20 @@ def test_tool_calls_named_and_required(client):
         jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
 
 
-def test_streamed_tool_call_arrives_as_one_delta(client):
+def test_streamed_tool_call_opens_then_streams_its_arguments(client):
     with client.stream("POST", "/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 48, "temperature": 0,
             "stream": True, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}) as r:
         events = _sse(r)
     deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
-    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    opening, *fragments = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert opening["index"] == 0 and opening["id"].startswith("call_") and opening["type"] == "function"
+    assert opening["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(fragments) > 2 and all(set(f) == {"index", "function"} and f["index"] == 0 for f in fragments)
+    arguments = "".join(f["function"]["arguments"] for f in fragments)  # like OpenAI's, in pieces
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert not any(d.get("content") for d in deltas)
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "stop"
 
 
 @pytest.mark.parametrize("body,field", [

@@ -1,9 +1,11 @@
 """Constrained generation on SmolLM2 with the shipped EAGLE-3 draft and n-gram trees: every output parses and
-validates, greedy output is token-identical with and without speculation (chain and tree), and the precedence rules
-(grammar end before min_tokens, stop strings still cut) hold."""
+validates, greedy output is token-identical with and without speculation (chain, tree -- with requests preempted
+mid-output by a tight page pool -- and n-gram tree), and the precedence rules (grammar end before min_tokens, stop
+strings still cut) hold."""
 import json
 import math
 import re
+import time
 
 import pytest
 
@@ -13,10 +15,18 @@ from specpd.engine.llm_engine import LLMEngine
 from tests.grammar.cases import CASES, CHOICES, COPY, NUM_PAGES, check
 
 
-def run(engine, prompts, params):
-    outs = engine.generate(prompts, params)
-    assert engine.free_pages == NUM_PAGES
-    return outs
+def run(engine, prompts, params, num_pages=NUM_PAGES):
+    """The outputs in input order, and the ids of requests preempted while holding output (and so a grammar
+    state past the start): each is back in the waiting queue with its tokens, to be recomputed."""
+    ids = [f"run-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, p)
+    final, preempted = {}, set()
+    while engine.has_unfinished_requests():
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        preempted |= {r.request_id for r in engine.scheduler.waiting if r.output_token_ids}
+    assert engine.free_pages == num_pages
+    return [final[rid] for rid in ids], preempted
 
 
 def test_outputs_validate_without_speculation(plain, reference):
@@ -32,19 +42,27 @@ def test_grammar_end_precedes_min_tokens_and_stop_strings_still_cut(plain, promp
                             constraint_spec=json.dumps(CHOICES))
     words = SamplingParams(max_tokens=16, temperature=0.0, stop=(" ",), constraint_kind="regex",
                            constraint_spec="[a-z]+ [a-z]+")
-    ended, cut = run(plain, prompts[2:3] * 2, [choice, words])
+    (ended, cut), _ = run(plain, prompts[2:3] * 2, [choice, words])
     assert ended.finish_reason == "stop" and ended.text in CHOICES and len(ended.token_ids) < 6
     assert cut.finish_reason == "stop" and cut.stop_reason == " " and re.fullmatch("[a-z]+", cut.text)
 
 
-@pytest.mark.parametrize("algorithm,steps,topk,num_tokens", [("eagle3", 3, 1, None), ("eagle3", 3, 4, 8),
-                                                             ("ngram", 4, 2, 6)], ids=["chain", "tree", "ngram_tree"])
-def test_speculation_is_token_identical_and_valid(smollm2, prompts, reference, algorithm, steps, topk, num_tokens):
+TIGHT_PAGES = 14  # the four short cases fit; the copy (77 prompt tokens) preempts, mid-output, and recomputes
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,num_tokens,num_pages", [
+    ("eagle3", 3, 1, None, NUM_PAGES), ("eagle3", 3, 4, 8, TIGHT_PAGES), ("ngram", 4, 2, 6, NUM_PAGES)],
+    ids=["chain", "tree_preempted", "ngram_tree"])
+def test_speculation_is_token_identical_and_valid(smollm2, prompts, reference, algorithm, steps, topk, num_tokens,
+                                                  num_pages):
+    """tree_preempted: a pool too small for every request at once -- a request preempted while its grammar is
+    mid-output recomputes and resumes from its kept matcher state; the output is the unpreempted one."""
     spec = SpecConfig(algorithm, draft_model="default" if algorithm == "eagle3" else None, spec_num_steps=steps,
                       spec_topk=topk, spec_num_draft_tokens=num_tokens, spec_adaptive_pinned=True)
-    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=NUM_PAGES), spec=spec),
+    engine = LLMEngine(EngineConfig(model="default", cache=CacheConfig(page_size=16, num_pages=num_pages), spec=spec),
                        checkpoint=smollm2)
-    outs = run(engine, prompts, [p for _, p, _ in CASES])
+    outs, preempted = run(engine, prompts, [p for _, p, _ in CASES], num_pages)
+    assert bool(preempted) == (num_pages == TIGHT_PAGES), preempted
     for out, ref, (_, params, how) in zip(outs, reference, CASES):
         assert out.finish_reason == "stop", out.text
         check(out.text, how)

@@ -1,7 +1,7 @@
 """Structured outputs through a real `specpd serve --disagg 1p1d` cluster (launcher, router, P and D
-processes over HTTP), SmolLM2 with the shipped EAGLE-3 draft, pinned speculation, both draft modes: the
-CASES (nested-object schema with enum, pattern and array; regex; choice; a sampled schema) sent all at once,
-streamed and not, plus a streamed chat request with a response_format: every output validates, greedy
+processes over HTTP), SmolLM2 with the shipped EAGLE-3 draft (tree), pinned speculation, both draft modes:
+the CASES (nested-object schemas with enum, pattern and array; regex; choice; a sampled schema) sent all at
+once, streamed and not, plus a streamed chat request with a response_format: every output validates, greedy
 output is the unified engine's token for token, D speculates, and P's and D's pages come back."""
 import concurrent.futures
 import json
@@ -12,7 +12,7 @@ import pytest
 from specpd.server.launch import free_port
 from tests.disagg.test_pd_e2e import wait_free_pages
 from tests.grammar.cases import CASES, PERSON, check
-from tests.server.launcher import launch_server
+from tests.server.launcher import launch_servers
 
 
 def constraint_fields(params) -> dict:
@@ -76,29 +76,43 @@ def chat_stream(base: str) -> str:
     return text
 
 
-@pytest.mark.parametrize("mode", ["both", "decode-only"])
-def test_constrained_requests_through_a_1p1d_cluster(prompts, reference, mode):
+def cluster_args(mode: str) -> tuple[list[str], str, str]:
+    """(`specpd serve` arguments, P's URL, D's URL) for a 1P1D cluster in draft mode `mode`."""
     p_port, d_port, boot = free_port(), free_port(), free_port()
     args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
             str(boot), "--log-level", "warning", "--transfer-backend", "tcp", "--model", "default",
             "--page-size", "16", "--num-pages", "128", "--num-threads", "1", "--speculative-algorithm", "eagle3",
             "--draft-model", "default", "--spec-num-steps", "3", "--spec-topk", "2", "--spec-num-draft-tokens", "6",
             "--draft-mode", mode, "--spec-adaptive-pinned"]
-    jobs = [(i, stream) for i in range(len(CASES)) for stream in (False, True)]
-    with launch_server(args) as srv, concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
-        base = srv["base"]
-        chat = pool.submit(chat_stream, base)
-        outs = list(pool.map(lambda job: complete(base, completion_body(prompts[job[0]], CASES[job[0]][1]), job[1]),
-                             jobs))
-        check(chat.result(), ("json", PERSON))
-        for (i, stream), out in zip(jobs, outs):
+    return args, f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+
+
+MODES = ("both", "decode-only")
+
+
+def test_constrained_requests_through_1p1d_clusters_in_both_draft_modes(prompts, reference):
+    """Both clusters at once (each D decodes on its own core while the P's idle); every case once per cluster,
+    streamed in one draft mode and not in the other."""
+    clusters = [cluster_args(mode) for mode in MODES]
+    jobs = [(m, i, (i + m) % 2 == 1) for m in range(len(MODES)) for i in range(len(CASES))]
+    with launch_servers([args for args, _, _ in clusters]) as procs, \
+            concurrent.futures.ThreadPoolExecutor(len(jobs) + len(MODES)) as pool:
+        bases = [base for _, base, _ in procs]
+        chats = [pool.submit(chat_stream, base) for base in bases]
+        outs = list(pool.map(lambda job: complete(bases[job[0]], completion_body(prompts[job[1]], CASES[job[1]][1]),
+                                                  job[2]), jobs))
+        for chat in chats:
+            check(chat.result(), ("json", PERSON))
+        for (m, i, stream), out in zip(jobs, outs):
             _, params, how = CASES[i]
-            assert out["finish_reason"] == "stop", (i, stream, out)
+            where = (MODES[m], i, "stream" if stream else "whole")
+            assert out["finish_reason"] == "stop", (where, out)
             check(out["text"], how)
-            assert len(out["tokens"]) == out["usage"]["completion_tokens"]
+            assert len(out["tokens"]) == out["usage"]["completion_tokens"], where
             if params.greedy:
-                assert out["tokens"] == reference[i].token_ids, (i, stream, out["text"], reference[i].text)
-        assert sum(out["usage"].get("spec_accepted_tokens", 0) for out in outs) > 0
-        for url in (f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"):
-            info = wait_free_pages(url)
-            assert info["free_pages"] == info["total_pages"], (url, info)
+                assert out["tokens"] == reference[i].token_ids, (where, out["text"], reference[i].text)
+        for m, (_, p_url, d_url) in enumerate(clusters):
+            assert sum(o["usage"].get("spec_accepted_tokens", 0) for (n, _, _), o in zip(jobs, outs) if n == m) > 0
+            for url in (p_url, d_url):
+                info = wait_free_pages(url)
+                assert info["free_pages"] == info["total_pages"], (MODES[m], url, info)

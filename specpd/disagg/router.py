@@ -43,6 +43,25 @@ _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client wit
 _WILDCARDS = ("0.0.0.0", "::", "")  # bind-everything addresses: not where a peer can reach a server
 
 
+def _drop(task: asyncio.Future) -> None:
+    """Cancel a task nobody awaits any more and take whatever it ends with: a stream read that the
+    cancellation (or the connection closed under it) ends in an httpx error would otherwise be logged
+    as "Task exception was never retrieved" when the task is collected."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _drop_if(task: asyncio.Future | None) -> None:
+    if task is not None:
+        _drop(task)
+
+
+async def _client_gone(raw: Request) -> None:
+    """Returns when the client closes its connection (call once the body has been read)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error(message: str, code: int) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
                         status_code=code)
@@ -155,39 +174,53 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             return None
 
         watcher = asyncio.ensure_future(prefill_failure())
-        # D's headers come only with its whole body when stream=false: race them against P's failure
+        # D's headers come only with its whole body when stream=false: race them against P's failure and,
+        # with no stream whose cancellation would tell us, against the client hanging up
         decode = asyncio.ensure_future(
             client.send(client.build_request("POST", decode_url + path, json=body), stream=True))
-        done, _ = await asyncio.wait({decode, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if decode not in done and watcher.result() is not None:
-            decode.cancel()  # closes the connection: D aborts the room
-            return watcher.result()
+        gone = None if body.get("stream") else asyncio.ensure_future(_client_gone(raw))
+        waits = {decode, watcher, gone} - {None}
+        while decode in waits:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                for task in (decode, watcher, prefill):  # closing the connections aborts the room on D and P
+                    _drop(task)
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            if watcher in done and watcher.result() is not None:
+                _drop(decode)  # closes the connection: D aborts the room
+                _drop_if(gone)
+                return watcher.result()
+            waits -= done
         try:
             decode_resp = await decode
         except httpx.HTTPError as e:
-            watcher.cancel()
-            prefill.cancel()
+            _drop(watcher)
+            _drop(prefill)
+            _drop_if(gone)
             return _error(f"decode server unreachable: {e!r}", 502)
         if decode_resp.status_code == 200:
             stages.observe({"router_decode_headers": time.monotonic() - received})
         if decode_resp.status_code != 200:
             content = await decode_resp.aread()
             await decode_resp.aclose()
-            watcher.cancel()
-            prefill.cancel()  # closes the connection: P drops the room from its bootstrap queue
+            _drop(watcher)
+            _drop(prefill)  # closes the connection: P drops the room from its bootstrap queue
+            _drop_if(gone)
             return _relayed(decode_resp, content)
         if not body.get("stream"):
             reader = asyncio.ensure_future(decode_resp.aread())
-            done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done and watcher.result() is not None:
-                reader.cancel()
-                await decode_resp.aclose()
-                return watcher.result()
             try:
+                done, _ = await asyncio.wait({reader, watcher, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    return Response(status_code=499)
+                if watcher in done and watcher.result() is not None:
+                    return watcher.result()
                 content = await reader
             except httpx.HTTPError as e:  # D died while answering
                 return _error(f"decode server failed: {e!r}", 502)
-            finally:
+            finally:  # closing D's connection before its answer is read aborts the request there
+                for task in (reader, watcher, gone):
+                    _drop(task)
                 await decode_resp.aclose()
             return Response(content, status_code=200, media_type=decode_resp.headers.get("content-type"))
 
@@ -205,7 +238,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                         if failure is None:
                             await asyncio.wait({nxt})
                         else:  # D's stream has begun: the status is sent, the error goes in-band
-                            nxt.cancel()
+                            _drop(nxt)
                             message = f"prefill failed ({failure.status_code}): {failure.body.decode(errors='replace')}"
                             yield ("data: " + json.dumps({"error": {"message": message, "code": failure.status_code}})
                                    + "\n\n" + "data: [DONE]\n\n").encode()
@@ -224,9 +257,9 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                     yield chunk
             finally:
                 routed.pop("release", lambda: None)()
-                watcher.cancel()
-                if nxt is not None and not nxt.done():  # the client left mid-stream: no orphaned read
-                    nxt.cancel()
+                _drop(watcher)
+                if nxt is not None:  # the client left mid-stream: no orphaned read, its outcome taken
+                    _drop(nxt)
                 await decode_resp.aclose()
 
         return StreamingResponse(relay(), media_type="text/event-stream")

@@ -14,6 +14,7 @@ and test_control_plane.py (a busy P is not a dead one):
     error, P and D free the room, and the new router serves its first request;
 (e) D's bootstrap server unreachable -> 502 from D; D's Abort to an idle P (a room P never got a request
     for) is acked at once, not at P's next request.
+(f) clients leaving mid-stream: no orphaned reads of D's stream in the router, every room freed.
 
 One cluster per module, started by hand on fixed ports so a victim comes back on its own ports: two
 prefill servers P1 and P2 with one decode server D, router A (P1 + D) and router B (P2 + D), so requests
@@ -414,3 +415,37 @@ def test_idle_prefill_acks_an_abort_at_once(up):
     assert_pages_back(up.url["d"], 3)
     assert time.monotonic() - left < 3
     assert_pages_back(up.url["p1"], 1)
+
+
+def test_clients_leaving_mid_stream_leave_no_orphaned_reads_in_the_router(up, reference):
+    """(f) Streams closed by their clients after the first tokens, some while the router waits on D's next
+    chunk, and a non-streamed request its client gives up on: D and P free every room (the abandoned
+    non-streamed one at once, not after decoding it), the router logs no task whose error nobody took (each
+    abandoned read of D's stream is cancelled and its outcome retrieved), and it serves the next request."""
+    body = {**SHORT, "max_tokens": 200, "stream": True}
+
+    def leave_early(wait_s: float) -> None:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", up.url["b"] + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for i, _ in enumerate(resp.iter_raw()):
+                    if i == 2:
+                        time.sleep(wait_s)  # mid-wait for D's next chunk, or between chunks
+                        return
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(leave_early, [0.0, 0.01, 0.03, 0.05] * 6))
+    for url in (up.url["d"], up.url["p2"]):
+        assert_pages_back(url, 30)
+    # a non-streamed request the client gives up on: the router closes D's connection, so D aborts it
+    # rather than decoding all 3000 tokens for nobody
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(up.url["b"] + "/v1/completions", json={**SHORT, "max_tokens": 3000}, timeout=1.0)
+    left = time.monotonic()
+    assert_pages_back(up.url["d"], 10)
+    assert time.monotonic() - left < 5
+    assert tokens_of(httpx.post(up.url["b"] + "/v1/completions", json=SHORT, timeout=60)) == reference
+    time.sleep(0.5)
+    with open(up.logs["b"], encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    assert "never retrieved" not in log, log[-3000:]

@@ -33,7 +33,8 @@ def cluster(tmp_path_factory):
     save_tiny_model("llama", model_dir)
     eagle_dir = str(tmp_path_factory.mktemp("tiny_eagle_router"))
     random_draft_checkpoint(eagle_dir, "eagle", ModelConfig.from_hf(load_checkpoint(model_dir).hf_config), seed=1)
-    spec = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3"]
+    spec = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
+            "--spec-adaptive-pinned"]  # a random head: an unpinned policy may rightly never speculate
     boot = free_port()
     env = {"SPECPD_API_KEY": KEY}
     try:

@@ -43,8 +43,8 @@ import zmq
 from specpd.core import InvalidRequest, SamplingParams, TokenLogprob
 from specpd.disagg.bootstrap import BootstrapUnreachable, Route, fetch_route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, PeerConfig, TransferDone, TransferFailed, check_compatible,
-                                    encode)
+                                    KVDestination, PeerConfig, TargetFeatures, TransferDone, TransferFailed,
+                                    check_compatible, encode)
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.worker import CONTROL_TICK_S, BootstrapInfo, ControlThread, DisaggWorker
 from specpd.draft.proposer import DraftState
@@ -159,6 +159,7 @@ class _Room:
     pages: list[int] = field(default_factory=list)
     cache_node: object = None  # the prefix-cache path the first pages come from (locked until commit / free)
     cached_tokens: int = 0  # positions < this are in D's cached pages: P sends nothing for them
+    draft_extended: int | None = None  # decode-only: D's draft KV covers positions below this (TargetFeatures)
     record: HandoffRecord | None = None
     done: TransferDone | None = None
     aborted_at: float | None = None  # monotonic time D sent Abort
@@ -190,6 +191,7 @@ class DecodeWorker(DisaggWorker):
         # a prompt whose prefix D's cache holds up to at most this many tokens is prefilled here, not on P
         self.local_prefill_tokens = local_prefill_tokens
         self.local_prefills = 0
+        self.draft_streamed_tokens = 0  # decode-only: prompt positions drafted from TargetFeatures before commit
         self._silent_since: dict[str, float] = {}  # P's endpoint -> when the heartbeat rule last fired for it
         self.name = f"decode@{host}:{os.getpid()}"
         # P's bootstrap address -> (route, monotonic fetch time); HTTP handler threads and the engine thread
@@ -264,7 +266,7 @@ class DecodeWorker(DisaggWorker):
 
     def stats(self) -> dict:
         return {**super().stats(), "pd_heartbeat_rtt_ms": self.control.rtt_ms(),
-                "pd_local_prefills": self.local_prefills,
+                "pd_local_prefills": self.local_prefills, "pd_draft_streamed_tokens": self.draft_streamed_tokens,
                 "pd_prefill_load": {e: hb.load for e, hb in list(self.control.load.items())}}
 
     # -- stages ----------------------------------------------------------------------------
@@ -280,6 +282,8 @@ class DecodeWorker(DisaggWorker):
         if isinstance(msg, HandoffRecord):
             room.record = msg
             room.record_at = room.marks["record"] = arrived_at
+        elif isinstance(msg, TargetFeatures):
+            self._extend_draft(room, msg)
         elif isinstance(msg, TransferDone):
             room.done = msg
             room.marks["kv_done"] = arrived_at
@@ -291,6 +295,22 @@ class DecodeWorker(DisaggWorker):
                             error=f"prefill server failed the handoff: {msg.reason}")
             elif room.error is None:  # a client abort: its final output is still owed
                 self._final(room.request_id, len(room.prompt_token_ids), "abort")
+
+    def _extend_draft(self, room: _Room, msg: TargetFeatures) -> None:
+        """Decode-only, a prefill chunk's target features: the draft extend over them now, into the room's pages
+        (P writes only target KV there), while P computes the next chunk. Out of order, it is skipped and the
+        commit refuses the record (its hidden_start is not where D's draft KV ends)."""
+        start = room.cached_tokens if room.draft_extended is None else room.draft_extended
+        if msg.start != start or room.aborted_at is not None:
+            logger.warning("room %d: target features from %d, D's draft KV ends at %d", msg.room, msg.start, start)
+            return
+        try:
+            self.engine.draft_extend_prompt_part(room.prompt_token_ids, room.pages, msg.start, msg.hidden)
+        except ValueError as e:
+            logger.warning("room %d: %s", msg.room, e)
+            return
+        room.draft_extended = msg.start + msg.hidden.shape[0]
+        self.draft_streamed_tokens += msg.hidden.shape[0]
 
     def _give_up(self, room: _Room, error: str | None, reason: str) -> None:
         """Stop waiting for `room`: the client hears now (error), the pages stay until P confirms."""
@@ -400,13 +420,15 @@ class DecodeWorker(DisaggWorker):
             if rec.draft_mode == "both":
                 draft_state = DraftState(rec.draft_topk_ids.tolist(), rec.draft_topk_probs.tolist(), rec.draft_hidden)
             try:
-                if rec.target_hidden is not None and rec.hidden_start != room.cached_tokens:
-                    raise ValueError(f"target features from position {rec.hidden_start}, D holds "
-                                     f"{room.cached_tokens} cached tokens")
+                drafted = room.cached_tokens if room.draft_extended is None else room.draft_extended
+                if rec.target_hidden is not None and rec.hidden_start != drafted:
+                    raise ValueError(f"target features from position {rec.hidden_start}, D's draft KV covers "
+                                     f"{drafted} tokens ({room.cached_tokens} cached)")
                 self.engine.add_prebuilt_request(room.request_id, room.prompt_token_ids, room.params, room.pages,
                                                  rec.handoff_token, lp, draft_state=draft_state,
                                                  target_hidden=rec.target_hidden, sampler_state=rec.sampler_state,
-                                                 cache_node=room.cache_node, cached_tokens=room.cached_tokens)
+                                                 cache_node=room.cache_node, cached_tokens=room.cached_tokens,
+                                                 draft_start=drafted)
             except ValueError as e:  # a record that does not fit this server: fail the request, keep serving
                 self._free_pages(room)
                 self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"bad handoff: {e}")

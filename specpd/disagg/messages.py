@@ -124,7 +124,9 @@ class HandoffRecord:
     draft_hidden: torch.Tensor | None = None  # [H_draft] draft recurrent hidden at position N-1
     # draft-on-decode-only: D runs the draft extend from these
     target_hidden: torch.Tensor | None = None  # [N - hidden_start, H_in] (EAGLE-3: fused low/mid/high aux layers)
-    hidden_start: int = 0  # the first position target_hidden covers (D's cached_tokens: D has the draft KV before)
+    # the first position target_hidden covers: D has the draft KV before it (its cached prefix, then what D
+    # extended from the TargetFeatures streamed before this record)
+    hidden_start: int = 0
 
     def validate(self) -> "HandoffRecord":
         if self.draft_mode not in DRAFT_MODES:
@@ -142,6 +144,17 @@ class HandoffRecord:
         if (self.top_logprob_ids is None) != (self.top_logprobs is None):
             raise ValueError("top_logprob_ids and top_logprobs come together")
         return self
+
+
+@dataclass
+class TargetFeatures:
+    """P -> D, draft-on-decode-only with KV streamed per chunk: the target features of positions start.. of a
+    prefill chunk P just computed (never the last), sent with that chunk's pages, so D runs its draft extend
+    over them while P computes the next chunk; the record then carries the features from there on."""
+
+    room: int
+    start: int
+    hidden: torch.Tensor  # [n, H_in]
 
 
 @dataclass
@@ -196,7 +209,8 @@ class Heartbeat:
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    DecodeRegister, KVDestination, HandoffRecord, TransferDone, TransferFailed, Abort, AbortAck, Heartbeat)}
+    DecodeRegister, KVDestination, HandoffRecord, TargetFeatures, TransferDone, TransferFailed, Abort, AbortAck,
+    Heartbeat)}
 _NESTED_TYPES: dict[str, type] = {cls.__name__: cls for cls in (PeerConfig, PoolLayout, SamplingParams)}
 _DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,

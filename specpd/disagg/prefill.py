@@ -18,10 +18,11 @@ A request's life on P, keyed by its `bootstrap_room`:
      once the target and, draft-on-both, the draft extend covered its last position (`draft_kv_len`; the
      draft KV of a chunk's last position uses the next prompt token, known then). The first such write
      pins the request (`Scheduler.pin`: every page of its prompt now, never preempted), so nothing frees
-     or moves its pages under a write.
+     or moves its pages under a write. Draft-on-decode-only, the chunk's target features go to D with it
+     (`TargetFeatures`), and D runs its draft extend over them while P computes the next chunk.
   3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
      draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
-     target features, captured by the engine, which then loads no draft, all of them with the record) goes
+     target features, captured by the engine, which then loads no draft, those not streamed yet) goes
      to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (one
      descriptor per page into D's destination pages; draft-on-both: the draft pool's pages too). Record
      first: serializing it holds the GIL the writer thread needs.
@@ -54,7 +55,8 @@ import zmq
 from specpd.core import InvalidRequest, RequestOutput, RequestStatus, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, TransferDone, TransferFailed, check_compatible, encode)
+                                    KVDestination, TargetFeatures, TransferDone, TransferFailed, check_compatible,
+                                    encode)
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo, ControlThread, DisaggWorker
@@ -73,6 +75,7 @@ class _Room:
     destination: KVDestination | None = None
     handles: list = dataclasses.field(default_factory=list)  # TransferHandles: streamed chunks, then the rest
     streamed: int = 0  # pages after D's cached prefix submitted while the prompt was still prefilling
+    features_sent: int = 0  # decode-only: target features of positions below this went to D with their chunk
     error: str | None = None  # a write failed or was refused: the room fails once none is in flight
     added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
     marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
@@ -290,6 +293,7 @@ class PrefillWorker(DisaggWorker):
                 room.chunks.append((start, end))
                 if running is not None and running.status is RequestStatus.RUNNING and self.stream_chunks:
                     self._stream(room, running)
+                    self._stream_features(room, running)
             room.computed = computed
 
     def _stream(self, room: _Room, req) -> None:
@@ -306,6 +310,19 @@ class PrefillWorker(DisaggWorker):
             return  # nothing new, or the pool cannot hold the whole prompt now: it all goes with the last chunk
         if self._submit(room, req.pages[first + room.streamed:first + end], dest.dst_page_ids[room.streamed:end]):
             room.streamed = end
+
+    def _stream_features(self, room: _Room, req) -> None:
+        """Draft-on-decode-only: the target features of the chunk just computed go to D now (module docstring,
+        2c), so D's draft extend over them overlaps P's next chunk instead of waiting for the record."""
+        dest = room.destination
+        if self.peer_config.draft_mode != "decode_only" or dest is None or dest.prefill_locally \
+                or self._stream_failed(room) or not req.handoff_hidden:
+            return
+        start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens
+        if end > start:
+            hidden = torch.cat(req.handoff_hidden)[start:end]
+            self.control.send(room.identity, TargetFeatures(room.info.room, start, hidden))
+            room.features_sent = end
 
     def _stream_failed(self, room: _Room) -> bool:
         """Did a write of the room fail (or was refused)? Then nothing more is sent and the room fails once its
@@ -442,7 +459,7 @@ class PrefillWorker(DisaggWorker):
                                handoff_token=req.output_token_ids[0],
                                handoff_logprob=lp.logprob if lp is not None else None,
                                sampling_params=room.params, sampler_state=req.sampler_state, **top,
-                               **self._draft_fields(req, dest.cached_tokens)).validate()
+                               **self._draft_fields(req, max(dest.cached_tokens, room.features_sent))).validate()
         # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
         # is not holding the GIL for it while the writer thread needs it around its transfer call
         self.control.send(room.identity, record)

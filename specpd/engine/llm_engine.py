@@ -167,7 +167,7 @@ class LLMEngine:
                              pages: list[int], handoff_token: int, handoff_logprob: TokenLogprob | None,
                              draft_state=None, target_hidden: torch.Tensor | None = None,
                              sampler_state: torch.Tensor | None = None, cache_node=None,
-                             cached_tokens: int = 0) -> Request:
+                             cached_tokens: int = 0, draft_start: int | None = None) -> Request:
         """Commit P's handoff: `pages` (allocated from this engine's allocator) hold KV for positions
         0..N-1, y0 is appended (stop checks apply) and has no KV yet; the next step decodes it. No target
         forward. With speculation: draft-on-both, `draft_state` is P's first-round proposal (the draft KV
@@ -175,27 +175,30 @@ class LLMEngine:
         features and the draft extend over the prompt runs here, exactly as the colocated engine runs it
         after its prefill. `sampler_state`: the request generator's state on P after sampling y0.
         `cache_node` / `cached_tokens`: the first pages came from this engine's prefix cache (locked at D's
-        prealloc; target and draft KV below `cached_tokens`); `target_hidden` then covers the positions after."""
+        prealloc; target and draft KV below `cached_tokens`); `target_hidden` then covers the positions after.
+        `draft_start` (decode-only, default `cached_tokens`): the draft KV already covers the positions below it
+        (`draft_extend_prompt_part` ran over the chunks streamed before), and `target_hidden` starts there."""
+        draft_start = cached_tokens if draft_start is None else draft_start
         needs_hidden = self.spec_runner is not None and self.spec_runner.proposer.needs_hidden
         if needs_hidden and draft_state is None and target_hidden is None:
             raise ValueError(f"request {request_id!r}: a handoff to a speculative decode server needs P's "
                              f"draft state (draft-on-both) or the prompt's target hidden states (decode-only)")
-        if target_hidden is not None and target_hidden.shape[0] != len(prompt_token_ids) - cached_tokens:
+        if target_hidden is not None and target_hidden.shape[0] != len(prompt_token_ids) - draft_start:
             raise ValueError(f"request {request_id!r}: target_hidden has {target_hidden.shape[0]} rows for a "
-                             f"{len(prompt_token_ids)}-token prompt with {cached_tokens} cached")
+                             f"{len(prompt_token_ids)}-token prompt drafted up to {draft_start}")
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         req.pages = list(pages)
         req.num_computed_tokens = len(prompt_token_ids)
         req.cache_node, req.num_cached_tokens = cache_node, cached_tokens
         if self._draft_kv:  # draft-on-both: P's draft KV came in the pages; decode-only: the extend below
-            req.draft_kv_len = len(prompt_token_ids) if draft_state is not None else cached_tokens
+            req.draft_kv_len = len(prompt_token_ids) if draft_state is not None else draft_start
         req.spec_state = draft_state
         if params.constraint_kind is not None:  # rebuilt from the constraint text; y0 advances it below
             req.grammar = self.grammar.matcher(params.constraint_kind, params.constraint_spec)
         if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
             gen.set_state(sampler_state)
         if needs_hidden and draft_state is None:
-            self._draft_extend_prompt(req, handoff_token, target_hidden, cached_tokens)
+            self._draft_extend_prompt(req, handoff_token, target_hidden, draft_start)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         self.scheduler.add_running(req)
@@ -221,6 +224,23 @@ class LLMEngine:
                 end = min(n, start + chunk)
                 self.spec_runner.proposer.extend([DraftExtend(req, start, shifted[start:end],
                                                               hidden[start - first:end - first], at_end=end == n)])
+
+    def draft_extend_prompt_part(self, prompt_token_ids: list[int], pages: list[int], start: int,
+                                 target_hidden: torch.Tensor) -> None:
+        """Draft-on-decode-only with the features streamed per chunk (PD): the draft extend over prompt
+        positions start..start+n-1 into `pages`, before the handoff commits (tokens x_{s+1}..x_{s+n}, all in
+        the prompt: the position before y0 runs at commit, `add_prebuilt_request(draft_start=...)`)."""
+        n = target_hidden.shape[0]
+        if self.spec_runner is None or not self.spec_runner.proposer.needs_hidden:
+            raise ValueError("target features sent to a decode server whose drafter takes none")
+        if start + n >= len(prompt_token_ids):
+            raise ValueError(f"target features up to position {start + n - 1} of a {len(prompt_token_ids)}-token "
+                             f"prompt: the last one comes with the handoff record")
+        staging = Request("draft-extend", list(prompt_token_ids), SamplingParams())  # only its pages are read
+        staging.pages = list(pages)
+        with torch.inference_mode():
+            self.spec_runner.proposer.extend([DraftExtend(staging, start, prompt_token_ids[start + 1:start + n + 1],
+                                                          target_hidden.to(self.runner.device), at_end=False)])
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)

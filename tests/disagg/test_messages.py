@@ -8,8 +8,9 @@ import zmq
 
 from specpd.core import SamplingParams
 from specpd.disagg.messages import (MESSAGE_TYPES, Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord,
-                                    Heartbeat, KVDestination, MessageError, PeerConfig, PoolLayout, TransferDone,
-                                    TransferFailed, check_compatible, decode, encode, recv_message, send_message)
+                                    Heartbeat, KVDestination, MessageError, PeerConfig, PoolLayout, TargetFeatures,
+                                    TransferDone, TransferFailed, check_compatible, decode, encode, recv_message,
+                                    send_message)
 
 CFG = PeerConfig(model="smollm2-135m", draft_model="eagle3-smollm2", page_size=16, dtype="bfloat16",
                  spec_algorithm="eagle3", draft_mode="decode_only")
@@ -46,6 +47,7 @@ ALL_MESSAGES = [
     _handoff_decode_only(0, torch.bfloat16),  # empty [0, H] tensor
     HandoffRecord(room=9, request_id="r", prompt_len=1, handoff_token=1, handoff_logprob=float("-inf"),
                   sampling_params=PARAMS),
+    TargetFeatures(room=8, start=12, hidden=torch.randn(6, 24).to(torch.bfloat16)),  # a decode-only chunk
     TransferDone(room=1, num_pages=4, num_bytes=4 * 737280),
     TransferFailed(room=1, reason="page size differs: prefill=16 decode=32"),
     Abort(room=1, reason="client disconnected"),

@@ -5,7 +5,8 @@ every chunk after the first streams):
 
 - prompts of 6-7 chunks (one with a partial last page) through a streaming P and a non-streaming P into one D:
   tokens and acceptance equal the unified engine's; the streaming P wrote pages before the last chunk, the
-  other none; the second prompt per P hits D's prefix cache (P sends only the pages after it); every page
+  other none; draft-on-decode-only, D ran its draft extend over each streamed chunk's target features as they
+  came; the second prompt per P hits D's prefix cache (P sends only the pages after it); every page
   comes back on both Ps and D;
 - a transfer that fails after the first chunk's write (an in-process P whose backend fails its second write
   call): D's request fails, the rest of the prompt is never sent, and every page comes back on P and D.
@@ -74,6 +75,9 @@ def test_streamed_chunks_match_unified(model_dir, eagle_dir, mode, backend):  # 
         on, off = info(p_on), info(p_off)
         assert on["kv_streamed_pages"] > 0 and off["kv_streamed_pages"] == 0, (on, off)
         assert on["kv_transfers"] == off["kv_transfers"] == 2
+        # decode-only: D drafted the streamed chunks' positions from their TargetFeatures before the commit
+        # (the streaming P's two rooms; the second after D's cached prefix), not all at commit
+        assert (info(d_url)["pd_draft_streamed_tokens"] > 0) == (mode == "decode-only")
 
 
 def test_transfer_failing_mid_stream_leaks_nothing(model_dir):  # noqa: F811

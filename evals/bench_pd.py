@@ -40,7 +40,7 @@ EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
 from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
-                    versions, write_json)
+                    transfer_backend, versions, write_json)
 
 import httpx  # noqa: E402
 
@@ -228,10 +228,7 @@ def main() -> int:
         args.num_requests, args.max_tokens, args.num_long, args.long_len = 4, 8, 1, 600
     out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_pd_quick.json") if args.quick
                             else os.path.join(RESULTS_DIR, "pd.json"))
-    from specpd.disagg.transfer import backend_available
-    if args.backend == "mooncake" and not backend_available("mooncake")[0]:
-        log(f"mooncake unavailable ({backend_available('mooncake')[1]}): using tcp")
-        args.backend = "tcp"
+    args.backend = transfer_backend(args.backend)
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
     tok = load_checkpoint("default").tokenizer

@@ -37,7 +37,7 @@ REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
 from bench_pd import kv_delta, one_request, stage_breakdown  # noqa: E402
 from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
-                    versions, write_json)
+                    transfer_backend, versions, write_json)
 
 import httpx  # noqa: E402
 
@@ -220,10 +220,7 @@ def main() -> int:
         args.load_batch, args.load_blocks, args.load_settle_s, args.load_tokens = 2, 1, 3.0, 200
     out = args.out or (os.path.join(tempfile.gettempdir(), "specpd_pd_ttft_quick.json") if args.quick
                        else os.path.join(RESULTS_DIR, "pd_ttft.json"))
-    from specpd.disagg.transfer import backend_available
-    if args.backend == "mooncake" and not backend_available("mooncake")[0]:
-        log(f"mooncake unavailable ({backend_available('mooncake')[1]}): using tcp")
-        args.backend = "tcp"
+    args.backend = transfer_backend(args.backend)
     from specpd.model.loader import load_checkpoint
     tok = load_checkpoint("default").tokenizer
     short = held_out_sharegpt_prompts(tok, args.num_short)

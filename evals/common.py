@@ -84,6 +84,15 @@ def real_text_prompts(tokenizer, num: int, prompt_len: int) -> tuple[list[list[i
     raise RuntimeError(f"{source}: only {len(prompts)} texts have >= {prompt_len} tokens, need {num}")
 
 
+def transfer_backend(choice: str) -> str:
+    """`choice`, or tcp (logged) when it is mooncake and the Mooncake engine does not load here."""
+    from specpd.disagg.transfer import backend_available
+    ok, why = backend_available("mooncake") if choice == "mooncake" else (True, "")
+    if not ok:
+        log(f"mooncake unavailable ({why}): using tcp")
+    return choice if ok else "tcp"
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -7,7 +7,6 @@ import concurrent.futures
 import json
 
 import httpx
-import pytest
 
 from specpd.server.launch import free_port
 from tests.disagg.test_pd_e2e import wait_free_pages

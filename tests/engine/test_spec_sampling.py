@@ -101,7 +101,7 @@ def test_spec_sampling_follows_target(small_vocab, name, spec, sampling):
     params = SamplingParams(max_tokens=3, ignore_eos=True, **sampling)
     if not spec.model_free:
         spec = dataclasses.replace(spec, draft_model=draft)
-    counts = sample_pairs(target, draft, spec, params, 20000)
+    counts = sample_pairs(target, draft, spec, params, 14000)  # a broken verifier fails at 4000 (below)
     assert chi_square_p(counts, exact_pair_distribution(model, params)) > 0.01
 
 

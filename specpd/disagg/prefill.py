@@ -320,7 +320,7 @@ class PrefillWorker(DisaggWorker):
             return
         start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens
         if end > start:
-            hidden = torch.cat(req.handoff_hidden)[start:end]
+            hidden = _features_from(req.handoff_hidden, start)[:end - start]
             self.control.send(room.identity, TargetFeatures(room.info.room, start, hidden))
             room.features_sent = end
 
@@ -485,7 +485,7 @@ class PrefillWorker(DisaggWorker):
 
     def _draft_fields(self, req, cached_tokens: int = 0) -> dict:
         if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features
-            return {"draft_mode": "decode_only", "target_hidden": torch.cat(req.handoff_hidden)[cached_tokens:],
+            return {"draft_mode": "decode_only", "target_hidden": _features_from(req.handoff_hidden, cached_tokens),
                     "hidden_start": cached_tokens}
         if self.peer_config.draft_mode != "both":
             return {}
@@ -503,3 +503,16 @@ class PrefillWorker(DisaggWorker):
     def close(self) -> None:
         self.bootstrap.close()
         super().close()
+
+
+def _features_from(parts: list[torch.Tensor], start: int) -> torch.Tensor:
+    """The prompt's target features (one tensor per prefill chunk, from position 0) from `start` on,
+    concatenating only the chunks that hold them: what each streamed chunk and the record send is the tail."""
+    end = sum(p.shape[0] for p in parts)
+    tail = []
+    for part in reversed(parts):
+        if end <= start:
+            break
+        tail.append(part[max(0, start - (end - part.shape[0])):])
+        end -= part.shape[0]
+    return torch.cat(tail[::-1]) if tail else parts[0][:0]

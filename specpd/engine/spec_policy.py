@@ -248,7 +248,7 @@ class AdaptivePolicy:
         if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
         self._probe(request_ids, depth, extra)
-        self.last_draft_s = self._round_time(depth, *extra, draft_only=True)
+        self.last_draft_s = self._draft_time(depth, gains, pending)
         return [(k, self.budget(k) if k else 1) for k in depth]
 
     def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> None:
@@ -264,8 +264,9 @@ class AdaptivePolicy:
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:
                 st.idle_rounds = 0
-        now = self._round_time(depth, *extra)
+        now = 0.0
         if not self.frozen:
+            now = self._round_time(depth, *extra)
             self.probe_credit = min(self.probe_credit + PROBE_BUDGET * now, PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now)
         for _, i, st in sorted(ready, key=lambda r: -r[0]):
             depth[i] = 1
@@ -279,14 +280,16 @@ class AdaptivePolicy:
             st.probing, st.idle_rounds = True, 0
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
-                    other_rows: int, draft_only: bool = False) -> float:
+                    other_rows: int) -> float:
+        rows = other_rows + sum(self.rows(k) for k in depth)
+        return self.cost.target(other_requests + len(depth), rows) + self._draft_time(depth, gains, pending)
+
+    def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
+        """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
         t = 0.0
-        if not draft_only:
-            t = self.cost.target(other_requests + len(depth), other_rows + sum(self.rows(k) for k in depth))
         for s in range(1, self.num_steps):
             t += self.cost.draft(sum(self.frontier(s) for k in depth if k > s))
-        t += self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0))))
-        return t
+        return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0))))
 
     # -- feedback ---------------------------------------------------------------------------
     def observe(self, request_id: str, proposed_depth: int, num_accepted: int) -> None:

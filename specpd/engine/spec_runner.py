@@ -44,6 +44,7 @@ class SpecRunner:
         self.policy = policy  # None: every request drafts the proposer's full shape every round
         # request id -> draft extends not run yet (adaptive: the request did not speculate since)
         self._deferred: dict[str, list[DraftExtend]] = {}
+        self._pending: dict[str, int] = {}  # request id -> tokens in its deferred extends (the catch-up's size)
 
     @property
     def decode_width(self) -> int:
@@ -54,7 +55,7 @@ class SpecRunner:
     def release(self, request) -> None:
         self.runner.release(request)
         self.proposer.release(request)
-        self._deferred.pop(request.request_id, None)
+        self._drop_deferred(request.request_id)
         if self.policy is not None:
             self.policy.release(request.request_id)
 
@@ -68,7 +69,7 @@ class SpecRunner:
         t_round = time.perf_counter()
         if policy is not None and decode:
             others = [it for it in items if not it.spec_decode]
-            pending = [sum(len(p.token_ids) for p in self._deferred.get(r.request_id, ())) for r in requests]
+            pending = [self._pending.get(r.request_id, 0) for r in requests]
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending)
             self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0])
@@ -121,10 +122,12 @@ class SpecRunner:
                     policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
                     policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
                     if self.proposer.needs_hidden:  # run when the request speculates next
-                        self._deferred.setdefault(it.request.request_id, []).append(ext)
+                        rid = it.request.request_id
+                        self._deferred.setdefault(rid, []).append(ext)
+                        self._pending[rid] = self._pending.get(rid, 0) + len(ext.token_ids)
                         ext = None
             else:
-                self._deferred.pop(it.request.request_id, None)  # a recompute (after preemption) starts over
+                self._drop_deferred(it.request.request_id)  # a recompute (after preemption) starts over
                 res, ext = self._prefill(it, logits[row:row + 1] if it.samples else None, features[rows], suppress)
                 row += int(it.samples)
             results.append(res)
@@ -160,11 +163,15 @@ class SpecRunner:
         if request.request_id in self._deferred:
             self._catch_up([request])
 
+    def _drop_deferred(self, request_id: str) -> list[DraftExtend] | None:
+        self._pending.pop(request_id, None)
+        return self._deferred.pop(request_id, None)
+
     def _catch_up(self, requests) -> None:
         """Run the deferred draft extends of requests about to draft: one slice per request."""
         extends = []
         for req in requests:
-            parts = self._deferred.pop(req.request_id, None)
+            parts = self._drop_deferred(req.request_id)
             if parts:
                 tokens = [t for p in parts for t in p.token_ids]
                 extends.append(DraftExtend(req, parts[0].start, tokens, torch.cat([p.hidden for p in parts]),

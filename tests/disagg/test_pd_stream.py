@@ -117,3 +117,15 @@ def test_transfer_failing_mid_stream_leaks_nothing(model_dir):  # noqa: F811
             wait_pages_back(d_url)
         finally:
             worker.close()
+
+
+def test_features_from_equals_the_whole_concatenation_sliced():
+    """P sends each streamed chunk's and the record's target features by concatenating only the chunks that
+    hold them: the same tensor as concatenating every chunk and slicing, at every start (chunk edges included)."""
+    import torch
+
+    from specpd.disagg.prefill import _features_from
+    parts = [torch.randn(n, 3) for n in (5, 1, 4, 6)]
+    full = torch.cat(parts)
+    for start in range(len(full) + 1):
+        assert torch.equal(_features_from(parts, start), full[start:]), start

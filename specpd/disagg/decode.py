@@ -159,7 +159,7 @@ class _Room:
     pages: list[int] = field(default_factory=list)
     cache_node: object = None  # the prefix-cache path the first pages come from (locked until commit / free)
     cached_tokens: int = 0  # positions < this are in D's cached pages: P sends nothing for them
-    draft_extended: int | None = None  # decode-only: D's draft KV covers positions below this (TargetFeatures)
+    draft_streamed: int = 0  # decode-only: positions after cached_tokens D drafted from TargetFeatures
     record: HandoffRecord | None = None
     done: TransferDone | None = None
     aborted_at: float | None = None  # monotonic time D sent Abort
@@ -300,7 +300,7 @@ class DecodeWorker(DisaggWorker):
         """Decode-only, a prefill chunk's target features: the draft extend over them now, into the room's pages
         (P writes only target KV there), while P computes the next chunk. Out of order, it is skipped and the
         commit refuses the record (its hidden_start is not where D's draft KV ends)."""
-        start = room.cached_tokens if room.draft_extended is None else room.draft_extended
+        start = room.cached_tokens + room.draft_streamed
         if msg.start != start or room.aborted_at is not None:
             logger.warning("room %d: target features from %d, D's draft KV ends at %d", msg.room, msg.start, start)
             return
@@ -309,7 +309,7 @@ class DecodeWorker(DisaggWorker):
         except ValueError as e:
             logger.warning("room %d: %s", msg.room, e)
             return
-        room.draft_extended = msg.start + msg.hidden.shape[0]
+        room.draft_streamed += msg.hidden.shape[0]
         self.draft_streamed_tokens += msg.hidden.shape[0]
 
     def _give_up(self, room: _Room, error: str | None, reason: str) -> None:
@@ -420,7 +420,7 @@ class DecodeWorker(DisaggWorker):
             if rec.draft_mode == "both":
                 draft_state = DraftState(rec.draft_topk_ids.tolist(), rec.draft_topk_probs.tolist(), rec.draft_hidden)
             try:
-                drafted = room.cached_tokens if room.draft_extended is None else room.draft_extended
+                drafted = room.cached_tokens + room.draft_streamed
                 if rec.target_hidden is not None and rec.hidden_start != drafted:
                     raise ValueError(f"target features from position {rec.hidden_start}, D's draft KV covers "
                                      f"{drafted} tokens ({room.cached_tokens} cached)")

@@ -49,8 +49,10 @@ def group_by_pages(pages: list[int], call_cost: int = GROUP_COST_PAGES) -> list[
 
 @dataclass
 class _Padded:
-    rows: torch.Tensor  # [B, q_max] long, token rows of each sequence's queries (padding: 0)
-    valid: torch.Tensor  # [B, q_max] bool
+    rows: torch.Tensor  # [B * q_max] long, token rows of each sequence's queries, sequence by sequence (padding: 0)
+    q_max: int
+    valid: torch.Tensor | None  # long, the positions in `rows` that are real queries; None: all of them
+    dst: torch.Tensor  # long, the token rows those queries' outputs go to (rows[valid])
     pages: torch.Tensor  # [B * n_pages] long, page ids of sequence 0, then 1, ...
     mask: torch.Tensor  # [B, 1, q_max, n_pages * page_size] additive float (0 = attend, -inf = not)
     # every token of the batch is a valid query and they come in order: q is viewed, not gathered
@@ -93,8 +95,13 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(kv_len).unsqueeze(0) <= q_pos
             n_pages = (kv_len + meta.page_size - 1) // meta.page_size
             long.append((indptr[b], indptr[b + 1], meta.page_table[b, :n_pages].long(), kv_len, mask))
-        groups = group_by_pages([-(-meta.kv_lens_host[b] // meta.page_size) for b in short]) if short else []
-        padded = [self._plan_padded(meta, [short[i] for i in sorted(g)], indptr, tree_indptr) for g in groups]
+        # one-row queries (decode, a depth-0 round) batch apart from multi-row blocks (verify trees, draft
+        # frontiers): padded into one batch, every decode row would attend as q_max rows
+        padded = []
+        for part in ([b for b in short if meta.q_lens_host[b] == 1], [b for b in short if meta.q_lens_host[b] > 1]):
+            if part:
+                for g in group_by_pages([-(-meta.kv_lens_host[b] // meta.page_size) for b in part]):
+                    padded.append(self._plan_padded(meta, [part[i] for i in sorted(g)], indptr, tree_indptr))
         meta.plan = _TorchPlan(padded, long)
         return meta
 
@@ -118,8 +125,10 @@ class TorchAttentionBackend(AttentionBackend):
         dense = len(seqs) == meta.batch_size and len(set(q_lens)) == 1
         additive = mask.to(self.kv_pool.dtype).log_().unsqueeze(1)  # log(1) = 0 (attend), log(0) = -inf
         idx = torch.tensor(seqs)
-        return _Padded(rows, valid, meta.page_table[idx, :n_pages].long().flatten(), additive, dense,
-                       self._fold_mask(additive))
+        rows, flat = rows.flatten(), valid.flatten()
+        keep = None if bool(flat.all()) else flat.nonzero().squeeze(1)
+        return _Padded(rows, q_max, keep, rows if keep is None else rows[keep],
+                       meta.page_table[idx, :n_pages].long().flatten(), additive, dense, self._fold_mask(additive))
 
     def _fold_mask(self, additive: torch.Tensor) -> torch.Tensor | None:
         """The mask for _padded_sdpa's fp32 GQA fold, [B, 1, group * q_max, S], built once per step."""
@@ -135,14 +144,17 @@ class TorchAttentionBackend(AttentionBackend):
         plan: _TorchPlan = meta.plan
         out = torch.empty_like(q)
         for pad in plan.padded:
-            nb, q_max = pad.rows.shape
+            q_max = pad.q_max
+            nb = pad.rows.shape[0] // q_max
             kb = _gather(k_cache, pad.pages, nb, q.dtype)  # [B, Hkv, S, D]
             vb = _gather(v_cache, pad.pages, nb, q.dtype)
-            qb = (q.view(nb, q_max, *q.shape[1:]) if pad.dense else q[pad.rows]).transpose(1, 2)  # [B, Hq, q_max, D]
-            ob = self._padded_sdpa(qb, kb, vb, pad.mask.to(q.dtype), pad.folded).transpose(1, 2)  # [B, q_max, Hq, D]
+            qb = (q if pad.dense else q.index_select(0, pad.rows)).view(nb, q_max, *q.shape[1:]).transpose(1, 2)
+            mask = pad.mask if pad.mask.dtype == q.dtype else pad.mask.to(q.dtype)
+            ob = self._padded_sdpa(qb, kb, vb, mask, pad.folded).transpose(1, 2)  # [B, q_max, Hq, D]
             if pad.dense:
                 return ob.reshape(q.shape)
-            out[pad.rows[pad.valid]] = ob[pad.valid]
+            ob = ob.reshape(-1, *q.shape[1:])  # [B * q_max, Hq, D]
+            out.index_copy_(0, pad.dst, ob if pad.valid is None else ob.index_select(0, pad.valid))
         for start, end, pages, kv_len, mask in plan.long:
             kb = _gather(k_cache, pages, 1, q.dtype)[:, :, :kv_len]  # [1, Hkv, kv_len, D]
             vb = _gather(v_cache, pages, 1, q.dtype)[:, :, :kv_len]

@@ -70,6 +70,9 @@ CASES = {  # q_lens, kv_lens, page_size, Hq, Hkv, trees (extra scratch width per
     "long_and_short_p16": ([40, 1, 8], [40, 300, 57], 16, 6, 2, None),
     "extend_after_prefix_p4": ([33, 2], [70, 9], 4, 4, 2, None),
     "long_tree_p1": ([34, 2], [50, 9], 1, 4, 2, [0, None]),
+    # an adaptive round: decode rows batched apart from the one request that speculates
+    "decode_rows_and_one_tree_p16": ([1, 1, 3, 1, 1, 1], [16, 17, 250, 33, 32, 1], 16, 9, 3,
+                                     [None, None, 0, None, None, None]),
 }
 
 

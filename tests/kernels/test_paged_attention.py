@@ -156,18 +156,20 @@ def test_a_wrong_mask_would_be_caught():
     assert (decode - shorter).abs().amax(dim=(1, 2)).min() > 1e-3
 
 
-@pytest.mark.parametrize("q_lens,kv_lens", [([1, 1, 1, 1, 1, 1], [5, 7, 900, 6, 1000, 30]),
-                                            ([1, 3, 1, 2, 40], [520, 3, 9, 700, 80])], ids=["decode", "mixed"])
-def test_torch_backend_groups_rows_by_kv_length(q_lens, kv_lens):
-    """Short rows are attended in batches grouped by KV length (one long context must not pad them all);
-    scattered pages, the output equals the reference in every group, in batch order."""
+@pytest.mark.parametrize("q_lens,kv_lens,groups", [([1, 1, 1, 1, 1, 1], [5, 7, 900, 6, 1000, 30], 2),
+                                                   ([1, 3, 1, 2, 40], [520, 3, 9, 700, 80], 4)],
+                         ids=["decode", "mixed"])
+def test_torch_backend_groups_rows_by_kv_length(q_lens, kv_lens, groups):
+    """Short rows are attended in batches grouped by KV length (one long context must not pad them all),
+    one-row queries apart from multi-row blocks (mixed: short / long contexts of each); scattered pages,
+    the output equals the reference in every group, in batch order."""
     from specpd.attention.torch_backend import TorchAttentionBackend, group_by_pages
     hq, hkv, d, page_size = 4, 2, 16, 4
     pool, meta, q = make_batch(q_lens, kv_lens, hq, hkv, d, page_size, torch.float32, seed=2)
     k_new, v_new = torch.randn(q.shape[0], hkv, d), torch.randn(q.shape[0], hkv, d)
     backend = TorchAttentionBackend(pool, hq, d)
     plan = backend.plan(meta)
-    assert len(plan.plan.padded) == 2  # the short contexts and the long ones
+    assert len(plan.plan.padded) == groups
     out = backend.forward(q, k_new, v_new, LAYER, plan)
     torch.testing.assert_close(out, reference(pool, meta, q, d ** -0.5), **TOL[torch.float32])
     assert group_by_pages([3, 3, 3]) == [[0, 1, 2]] and group_by_pages([1, 500, 2]) == [[0, 2], [1]]

@@ -33,7 +33,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.config import ModelConfig
 
 if TYPE_CHECKING:
-    from specpd.model.llama import CausalLM
+    from specpd.model.llama import CausalLM, OutputRows
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,11 @@ class DraftModel(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend, meta: AttentionMetadata, step: int = 0) -> torch.Tensor:
+                backend: AttentionBackend, meta: AttentionMetadata, step: int = 0,
+                rows: OutputRows | None = None) -> torch.Tensor:
         """input_ids [T] target-vocab ids, hidden [T, Hin] target features or the previous draft
-        hidden, positions [T] -> draft hidden [T, H] (pre final norm)."""
+        hidden, positions [T] -> draft hidden [T, H] (pre final norm); with `rows`, [R, H] at rows.index
+        only (the draft's K/V is written at every row)."""
 
     @abstractmethod
     def compute_logits(self, draft_hidden: torch.Tensor, step: int = 0) -> torch.Tensor:

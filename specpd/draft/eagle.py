@@ -28,7 +28,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import DecoderLayer, Rotary, apply_linear, head_logits
+from specpd.model.llama import DecoderLayer, OutputRows, Rotary, apply_linear, head_logits
 
 
 class Eagle1Draft(DraftModel):
@@ -64,11 +64,12 @@ class Eagle1Draft(DraftModel):
                    has_vocab_map=keys is not None and "d2t" in keys,
                    own_head=keys is not None and "lm_head.weight" in keys, max_positions=max_positions)
 
-    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0):
+    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0, rows: OutputRows | None = None):
         x = apply_linear(self.fc, torch.cat([self.embed(input_ids), hidden], dim=-1))  # [T, H]
         rope = self.rotary.table(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, backend, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):  # the layers before the last need every row's output
+            x = layer(x, rope, backend, meta, rows if i == last else None)
         return x
 
     def compute_logits(self, draft_hidden, step: int = 0):

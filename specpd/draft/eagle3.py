@@ -34,7 +34,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import MLP, Attention, RMSNorm, Rotary, apply_linear, head_logits
+from specpd.model.llama import MLP, Attention, OutputRows, RMSNorm, Rotary, apply_linear, head_logits
 
 
 class Eagle3MidLayer(nn.Module):
@@ -49,11 +49,13 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, rope, backend, meta):
+    def forward(self, embeds, hidden, rope, backend, meta, rows: OutputRows | None = None):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
-        h = residual + self.self_attn(x, rope, backend, meta)
+        if rows is not None:
+            residual = residual[rows.index]
+        h = residual + self.self_attn(x, rope, backend, meta, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -122,7 +124,7 @@ class Eagle3Draft(DraftModel):
     def aux_layer_ids(self) -> tuple[int, ...]:
         return self._aux_layer_ids
 
-    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0):
+    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0, rows: OutputRows | None = None):
         width = self.config.hidden_size
         if hidden.shape[-1] != width:
             if hidden.shape[-1] != self.fc.in_features:
@@ -131,7 +133,7 @@ class Eagle3Draft(DraftModel):
             hidden = apply_linear(self.fc, hidden)  # [T, 3H] -> [T, H]
         embeds = self.embed(input_ids)
         rope = self.rotary.table(positions, hidden.dtype)
-        return self.midlayer(embeds, hidden, rope, backend, meta)
+        return self.midlayer(embeds, hidden, rope, backend, meta, rows)
 
     def compute_logits(self, draft_hidden, step: int = 0):
         target = self._bound().model if self.lm_head is None else None

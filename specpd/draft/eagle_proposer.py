@@ -24,6 +24,7 @@ from specpd.draft.base import DraftModel
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.grammar.matcher import mask_after
 from specpd.kv.pool import KVPool
+from specpd.model.llama import OutputRows
 from specpd.verify.tree import DraftTree, TreeBuilder, root_only
 
 
@@ -49,13 +50,25 @@ class EagleProposer(Proposer):
         """Draft slots past the root a round needs."""
         return max(1, (self.num_steps - 1) * self.topk)
 
-    def _run(self, token_ids, hidden, positions, q_lens, kv_lens, pages, step, tree_masks=None):
+    def _run(self, token_ids, hidden, positions, q_lens, kv_lens, pages, step, tree_masks=None,
+             last_only: bool = False):
+        """The draft forward -> hidden [T, H]; last_only: [len(q_lens), H] at each item's last row (every
+        row's K/V is still written; the draft's last layer attends and projects only those rows)."""
         meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=pages,
                                        page_size=self.pool.page_size, device=self.device,
                                        tree_masks=tree_masks)
         self.backend.plan(meta)
-        return self.draft(torch.tensor(token_ids, device=self.device), hidden,
-                          torch.tensor(positions, device=self.device), self.backend, meta, step=step)
+        rows = None
+        if last_only and tree_masks is None and max(q_lens) > 1:
+            last = torch.tensor(q_lens).cumsum(0) - 1
+            rows_meta = AttentionMetadata.build(q_lens=[1] * len(q_lens), kv_lens=kv_lens, page_lists=pages,
+                                                page_size=self.pool.page_size, device=self.device)
+            rows = OutputRows(last.to(self.device), self.backend.plan(rows_meta))
+        out = self.draft(torch.tensor(token_ids, device=self.device), hidden,
+                         torch.tensor(positions, device=self.device), self.backend, meta, step=step, rows=rows)
+        if last_only and rows is None:
+            out = out[torch.tensor(q_lens).cumsum(0) - 1]
+        return out
 
     def _topk(self, draft_hidden: torch.Tensor, step: int,
               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +110,12 @@ class EagleProposer(Proposer):
             kv_lens.append(ex.start + n)
             pages.append(ex.request.pages)
         hidden = torch.cat([ex.hidden for ex in extends]).to(self.pool.dtype)
-        out = self._run(ids, hidden, positions, q_lens, kv_lens, pages, step=0)
-        last = torch.tensor(q_lens).cumsum(0) - 1
-        top_ids, top_probs = self._topk(out[last], step=0)
+        out = self._run(ids, hidden, positions, q_lens, kv_lens, pages, step=0, last_only=True)  # [items, H]
+        top_ids, top_probs = self._topk(out, step=0)
         for i, ex in enumerate(extends):
             ex.request.draft_kv_len = ex.start + q_lens[i]  # draft KV valid below (a prefix cache reads it)
             if ex.at_end:
-                ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[last[i]])
+                ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[i])
 
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         """plans: (num_steps, num_draft_tokens) per request (adaptive speculation; 0 steps = root only)."""

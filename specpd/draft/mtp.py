@@ -32,7 +32,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import DecoderLayer, RMSNorm, Rotary, apply_linear, head_logits
+from specpd.model.llama import DecoderLayer, OutputRows, RMSNorm, Rotary, apply_linear, head_logits
 
 _EH_PROJ = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -97,11 +97,11 @@ class MTPDraft(DraftModel):
                    draft_vocab_size=draft_json.get("draft_vocab_size"),
                    has_vocab_map=keys is not None and "d2t" in keys, max_positions=max_positions)
 
-    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0):
+    def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0, rows: OutputRows | None = None):
         module = self.mtp[step % len(self.mtp)]
         x = torch.cat([module.enorm(self.embed(input_ids)), module.hnorm(hidden)], dim=-1)  # [T, 2H]
         x = apply_linear(module.eh_proj, x)
-        return module.block(x, self.rotary.table(positions, x.dtype), backend, meta)
+        return module.block(x, self.rotary.table(positions, x.dtype), backend, meta, rows)
 
     def compute_logits(self, draft_hidden, step: int = 0):
         shared_head = self.mtp[step % len(self.mtp)].shared_head

@@ -7,6 +7,7 @@ q/k/v and gate/up projections are fused into one matmul each (fewer ops per laye
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,16 @@ def packed_copy(weight_t: torch.Tensor) -> torch.Tensor | None:
     return cpu_gemm.pack_weight(weight_t.detach())
 
 
+@dataclass
+class OutputRows:
+    """The rows of a forward whose output is used, for a layer whose K/V is needed at every row but whose
+    output only at some (a one-layer draft's extend: the next round reads only each item's last hidden).
+    `meta`: one query row per index, planned by the caller, over the same sequences and KV lengths."""
+
+    index: torch.Tensor  # [R] int64 rows of the step
+    meta: AttentionMetadata
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -139,7 +150,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata,
+                rows: "OutputRows | None" = None):
+        """rows: K/V of every row goes to the cache, the attention output only at rows.index (see OutputRows)."""
         qkv = apply_linear(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 * Hkv, D]
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is None:
@@ -148,6 +161,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qkv[:, :q_heads]), self.k_norm(qkv[:, q_heads:q_heads + kv_heads])], dim=1)
         q, k = apply_rope(qk, *rope).split([q_heads, kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
+        if rows is not None:
+            backend.kv_pool.write(self.layer_id, k, v, meta.write_pages, meta.write_offsets)
+            q, k, v, meta = q[rows.index], k[rows.index], v[rows.index], rows.meta  # k/v there: written again
         out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
         return apply_linear(self.o_proj, out.reshape(-1, self.q_size))
 
@@ -172,8 +188,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, backend, meta):
-        h = x + self.self_attn(self.input_layernorm(x), rope, backend, meta)
+    def forward(self, x, rope, backend, meta, rows: "OutputRows | None" = None):
+        """rows: the output only at rows.index (every row's K/V is still written)."""
+        h = (x if rows is None else x[rows.index]) + self.self_attn(self.input_layernorm(x), rope, backend, meta, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -17,7 +17,7 @@ from specpd.config import ModelConfig
 from specpd.draft.eagle3 import resolve_aux_layer_ids
 from specpd.draft.loader import load_draft_model, random_draft_checkpoint, read_draft_checkpoint, save_draft_model
 from specpd.kv.pool import KVPool
-from specpd.model.llama import CausalLM
+from specpd.model.llama import CausalLM, OutputRows
 from tests.model.hf_models import tiny_config
 
 AUX = [1, 2, 3]  # EAGLE-3 aux layer inputs for the 4-layer tiny target (defaults need >= 6 layers)
@@ -198,6 +198,34 @@ def test_ragged_forward_matches_dense_oracle(tmp_path, target, family):
             start += n
     assert out.shape == (sum(SEQS), draft.config.hidden_size) and logits.dtype == torch.float32
     assert logits.shape == (sum(SEQS), draft.draft_vocab_size)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + ["eagle-2layer"])
+def test_output_rows_write_every_row_and_match_the_full_forward(tmp_path, target, family):
+    """OutputRows (a draft extend that reads only each item's last hidden): the same K/V in the pool at every
+    row, and at the chosen rows the same hidden as the full forward; ragged, scattered pages, a 1-row item."""
+    if family == "eagle-2layer":  # the layers before the last run every row
+        random_draft_checkpoint(str(tmp_path), "eagle", target.config, seed=1, num_hidden_layers=2)
+        draft, step = load_draft_model(str(tmp_path), "eagle", target, target.config), 0
+        assert draft.config.num_layers == 2
+    else:
+        draft, step = make_draft(tmp_path, target, family)
+    ids = torch.randint(0, 320, (sum(SEQS),), generator=torch.Generator().manual_seed(5))
+    hidden = features(draft, sum(SEQS))
+    positions = torch.cat([torch.arange(n) for n in SEQS])
+    last = torch.tensor(SEQS).cumsum(0) - 1
+    pool_full, backend_full = draft_attention(draft)
+    pool_rows, backend_rows = draft_attention(draft)
+    with torch.no_grad():
+        full = draft(ids, hidden, positions, backend_full, backend_full.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)),
+                     step=step)
+        rows = OutputRows(last, backend_rows.plan(AttentionMetadata.build([1] * len(SEQS), SEQS, PAGES, 4)))
+        out = draft(ids, hidden, positions, backend_rows, backend_rows.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)),
+                    step=step, rows=rows)
+    assert out.shape == (len(SEQS), draft.config.hidden_size)
+    torch.testing.assert_close(out, full[last], atol=1e-5, rtol=1e-5)
+    used = sorted({p for pages in PAGES for p in pages})
+    torch.testing.assert_close(pool_rows.buffer[used], pool_full.buffer[used], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

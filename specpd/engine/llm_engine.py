@@ -204,8 +204,10 @@ class LLMEngine:
         self.scheduler.add_running(req)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         req.first_token_time = time.monotonic()
-        new_ids, new_lps = self._append(req, [handoff_token], [handoff_logprob])
-        out = (self._finish_output(req, new_ids, new_lps) if req.finished
+        new_ids, new_lps, reason = self._append(req, [handoff_token], [handoff_logprob])
+        if reason is not None:
+            self._finish([(req, reason)])
+        out = (self._finish_output(req, new_ids, new_lps) if reason is not None
                else self._output(req, new_ids, new_lps, final=False))
         self._pending_outputs.append(out)
         return req
@@ -299,6 +301,7 @@ class LLMEngine:
 
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         outputs = []
+        finishing = []  # (request, reason, its new tokens and logprobs, its place in outputs)
         for item, sampled in zip(batch.items, result):
             req = item.request
             self.scheduler.commit(item, sampled.committed_slots)
@@ -311,17 +314,23 @@ class LLMEngine:
             if req.prefill_only:
                 outputs.append(self._handoff(req, sampled))
                 continue
-            new_ids, new_lps = self._append(req, sampled.token_ids, sampled.logprobs)
+            new_ids, new_lps, reason = self._append(req, sampled.token_ids, sampled.logprobs)
             if sampled.num_accepted is not None:
                 req.spec_committed_tokens += len(new_ids)
-            if req.finished:
-                outputs.append(self._finish_output(req, new_ids, new_lps))
+            if reason is not None:
+                finishing.append((req, reason, new_ids, new_lps, len(outputs)))
+                outputs.append(None)
             else:
                 outputs.append(self._output(req, new_ids, new_lps, final=False))
+        if finishing:
+            self._finish([(req, reason) for req, reason, *_ in finishing])
+            for req, _, new_ids, new_lps, at in finishing:
+                outputs[at] = self._finish_output(req, new_ids, new_lps)
         return outputs
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]):
-        """Append tokens one at a time, stopping at the first stop condition. Returns what was appended."""
+        """Append tokens one at a time, stopping at the first stop condition. Returns what was appended and
+        the finish reason (None: the request goes on); the caller finishes the request (`_finish`)."""
         p = req.params
         detok = self._detok.get(req.request_id)
         appended: list[int] = []
@@ -350,12 +359,17 @@ class LLMEngine:
                 reason = "length"
             if reason is not None:
                 req.stop_reason = stop_reason
-                if self._draft_kv and self.prefix_cache is not None:
-                    self.spec_runner.settle_draft_kv(req)  # before its pages go to the cache
-                self.scheduler.finish(req, reason)
                 break
         self.counters["generation_tokens"] += len(appended)
-        return appended, (lps if p.logprobs is not None else None)
+        return appended, (lps if p.logprobs is not None else None), reason
+
+    def _finish(self, finishing: list[tuple[Request, str]]) -> None:
+        """Finish requests that reached a stop condition; their deferred draft extends run first, in one
+        batch, so the prefix cache gets draft KV valid over all they committed."""
+        if self._draft_kv and self.prefix_cache is not None:
+            self.spec_runner.settle_draft_kv([req for req, _ in finishing])  # before their pages go to the cache
+        for req, reason in finishing:
+            self.scheduler.finish(req, reason)
 
     def _record_verify(self, req: Request, num_accepted: int) -> None:
         req.spec_verify_count += 1

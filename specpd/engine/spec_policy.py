@@ -243,6 +243,8 @@ class AdaptivePolicy:
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
+            if new == depth:  # a fixed point: lam and every marginal cost would come out the same again
+                break
             depth = new
             lam = max(lam, sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra))
         if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:

@@ -72,6 +72,8 @@ class SpecRunner:
             pending = [self._pending.get(r.request_id, 0) for r in requests]
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending)
+            if not any(steps for steps, _ in plans):
+                return self._plain_round(batch, suppress, t_round)
             self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0])
         trees = dict(zip((id(it) for it in decode),
                          self.proposer.propose(requests, [it.start for it in decode], plans)))
@@ -141,6 +143,56 @@ class SpecRunner:
                                       any(steps > 0 for steps, _ in plans), policy.last_draft_s)
         return results
 
+    def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float) -> list[SampledTokens]:
+        """Every decode request at depth 0: a plain decode step (the runner's batched sampling, no trees, no
+        per-request verify). The draft features of what each request commits are kept for its catch-up."""
+        runner, policy = self.runner, self.policy
+        items = batch.items
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens = []
+        for it in items:
+            req = it.request
+            if it.spec_decode:  # the root: the last committed token, at the position of its KV
+                ids.append(req.all_token_ids[-1])
+                positions.append(it.start)
+                q_lens.append(1)
+            else:
+                ids.extend(req.all_token_ids[it.start:it.start + it.num_tokens])
+                positions.extend(range(it.start, it.start + it.num_tokens))
+                q_lens.append(it.num_tokens)
+        t0 = time.perf_counter()
+        hidden, features, _ = self._target_forward(ids, positions, q_lens,
+                                                   [it.start + q for it, q in zip(items, q_lens)],
+                                                   [it.request.pages for it in items], [None] * len(items), [])
+        results = runner.sample_items(items, q_lens, hidden, suppress)
+        target_s = time.perf_counter() - t0
+        policy.cost.observe_target(len(items), len(ids), target_s)
+        extends, offset, decode_only = [], 0, True
+        for it, q, res in zip(items, q_lens, results):
+            rid = it.request.request_id
+            rows = features[offset:offset + q]
+            offset += q
+            if it.spec_decode:
+                res.num_accepted = None  # a plain decode step, not a verify: tau counts verifies only
+                policy.observe(rid, 0, 0)
+                policy.stats.record(0, off=True)
+                ext = DraftExtend(it.request, it.start, res.token_ids, rows, at_end=True)
+                if self.proposer.needs_hidden:  # run when the request speculates next
+                    self._deferred.setdefault(rid, []).append(ext)
+                    self._pending[rid] = self._pending.get(rid, 0) + 1
+                else:
+                    extends.append(ext)
+            else:
+                decode_only = False
+                self._drop_deferred(rid)  # a recompute (after preemption) starts over
+                extends.append(_prompt_extend(it, res.token_ids, rows))
+        if extends:
+            self.proposer.extend(extends)
+        if decode_only:
+            policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
+        return results
+
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):
         """hidden [N, H], draft features [N, H_in], logits [len(logit_rows), vocab] fp32."""
         runner = self.runner
@@ -157,11 +209,11 @@ class SpecRunner:
         return hidden, features, logits
 
     @torch.inference_mode()
-    def settle_draft_kv(self, request) -> None:
-        """A finishing request's deferred draft extends, run now so its draft KV is valid over everything it
-        committed: the prefix cache then keeps all its full pages, not only those before its last draft."""
-        if request.request_id in self._deferred:
-            self._catch_up([request])
+    def settle_draft_kv(self, requests: list) -> None:
+        """Finishing requests' deferred draft extends, run now (one batch) so their draft KV is valid over
+        everything they committed: the prefix cache then keeps all their full pages, not only those
+        before their last draft."""
+        self._catch_up([r for r in requests if r.request_id in self._deferred])
 
     def _drop_deferred(self, request_id: str) -> list[DraftExtend] | None:
         self._pending.pop(request_id, None)
@@ -259,12 +311,7 @@ class SpecRunner:
             token = sample(process_logits(logits, [row]), [row], self.runner.shared_generator)[0]
             token_ids = [token]
             logprobs = compute_logprobs(raw, [token], [row]) if raw is not None else [None]
-            nxt = token
-        else:
-            nxt = req.all_token_ids[it.start + it.num_tokens]
-        shifted = req.all_token_ids[it.start + 1:it.start + it.num_tokens] + [nxt]
-        ext = DraftExtend(req, it.start, shifted, features, at_end=it.samples)
-        return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
+        return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), _prompt_extend(it, token_ids, features)
 
     def _verify(self, it: ScheduledItem, tree, logits, features, suppress):
         """logits [T, vocab] fp32 at the tree's nodes."""
@@ -339,6 +386,15 @@ def _monotone(table: dict[int, float]) -> dict[int, float]:
 def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:
     return NgramProposer(steps, topk, num_tokens, spec.spec_ngram_min_match, spec.spec_ngram_max_match,
                          spec.spec_ngram_store_tokens)
+
+
+def _prompt_extend(it: ScheduledItem, sampled: list[int], features) -> DraftExtend:
+    """The draft's extend over a prefill chunk: each position's input is the token after it (the sampled one
+    after the prompt's last), so the draft predicts one ahead of the target."""
+    req = it.request
+    nxt = sampled[0] if it.samples else req.all_token_ids[it.start + it.num_tokens]
+    shifted = req.all_token_ids[it.start + 1:it.start + it.num_tokens] + [nxt]
+    return DraftExtend(req, it.start, shifted, features, at_end=it.samples)
 
 
 def tree_path_tokens(tree, node: int) -> list[int]:

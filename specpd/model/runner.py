@@ -13,7 +13,7 @@ from specpd.attention.base import get_backend_class
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import EngineConfig, ModelConfig
 from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
-from specpd.core import ScheduledBatch
+from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.grammar.matcher import mask_logits
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.model.llama import CausalLM, Rotary
@@ -124,21 +124,27 @@ class ModelRunner:
         hidden, captured = self.model(input_ids, positions, self.backend, meta, capture_layers=capture or ())
         if capture is not None:
             self._keep_handoff_features(batch, torch.cat(captured, dim=-1) if capture else hidden)
+        return self.sample_items(batch.items, [it.num_tokens for it in batch.items], hidden, suppress)
+
+    def sample_items(self, items: list[ScheduledItem], q_lens: list[int], hidden: torch.Tensor,
+                     suppress: dict[str, tuple[int, ...]]) -> StepResult:
+        """One token for every item that samples, from its last row of `hidden` (items' rows in order,
+        q_lens of them each); batched: one LM-head matmul, one argmax when every row is greedy."""
         rows_idx: list[int] = []
         rows: list[SamplingRow] = []
         offset = 0
-        for it in batch.items:
-            offset += it.num_tokens
+        for it, q in zip(items, q_lens):
+            offset += q
             if it.samples:
                 req = it.request
                 rows_idx.append(offset - 1)
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
                                         self.generator_for(req), suppress.get(req.request_id, ())))
         if not rows:
-            return [SampledTokens(it.request.request_id, [], [], it.num_tokens) for it in batch.items]
+            return [SampledTokens(it.request.request_id, [], [], q) for it, q in zip(items, q_lens)]
         logits = self.model.compute_logits(hidden[rows_idx])  # [num_rows, vocab] fp32
         # structured output: the grammar mask comes before every other logit processing and the greedy argmax
-        mask_logits(logits, [it.request.grammar for it in batch.items if it.samples])
+        mask_logits(logits, [it.request.grammar for it in items if it.samples])
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw = logits.clone() if want_logprobs else logits
         if greedy_fast_path(rows):
@@ -147,10 +153,10 @@ class ModelRunner:
             tokens = sample(process_logits(logits, rows), rows, self.shared_generator)
         logprobs = compute_logprobs(raw, tokens, rows) if want_logprobs else [None] * len(rows)
         result, k = [], 0
-        for it in batch.items:
+        for it, q in zip(items, q_lens):
             if it.samples:
-                result.append(SampledTokens(it.request.request_id, [tokens[k]], [logprobs[k]], it.num_tokens))
+                result.append(SampledTokens(it.request.request_id, [tokens[k]], [logprobs[k]], q))
                 k += 1
             else:
-                result.append(SampledTokens(it.request.request_id, [], [], it.num_tokens))
+                result.append(SampledTokens(it.request.request_id, [], [], q))
         return result

@@ -192,11 +192,15 @@ def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_p
     real_extend = eng.spec_runner.proposer.extend
     eng.spec_runner.proposer.extend = lambda exts: (extend_rows.append(sum(len(e.token_ids) for e in exts)),
                                                     real_extend(exts))[1]
+    plain = []  # rounds with every request at depth 0 run as a plain decode step (no trees, batched sampling)
+    real_plain = eng.spec_runner._plain_round
+    eng.spec_runner._plain_round = lambda *a: (plain.append(1), real_plain(*a))[1]
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
     stats = eng.spec_runner.policy.stats
     assert stats.rounds_off > 0.7 * stats.rounds, stats  # a random head accepts ~nothing
+    assert len(plain) > 0.5 * stats.rounds / len(PROMPTS), (len(plain), stats)
     # the extend runs for prefill chunks and for probes (catching up), not every round
     assert len(extend_rows) < 0.5 * stats.rounds, (len(extend_rows), stats)
     assert not eng.spec_runner._deferred  # finished requests leave nothing behind

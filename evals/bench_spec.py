@@ -305,6 +305,8 @@ def main() -> None:
     work.add_argument("--split", default="held_out", choices=["held_out", "train"],
                       help="train: the prompts defaults are tuned on (never reported)")
     work.add_argument("--num-pages", type=int, default=1024)
+    work.add_argument("--lockstep", action="store_true",
+                      help="the configs of a rep step in turn, each timed by its own steps (see spec_workloads)")
     args = ap.parse_args()
     if args.workloads:
         from spec_workloads import run

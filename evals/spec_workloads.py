@@ -13,6 +13,9 @@ ngram (defaults, adaptive on/off); hybrid (EAGLE-3 + --spec-ngram); a random-ini
 rotating order; outputs must equal non-spec's token for token; ratios are the median of the
 per-rep ratios to the non-spec run of the same rep, with their min-max spread.
   decode tok/s = (output tokens - batch) / (wall time after every request has its first token)
+`--lockstep`: the configs of a rep run at once, one engine step each in turn, each config timed by its
+own steps (`lockstep_run`): the interleaving is per step rather than per run, so the machine's drift
+between runs falls on every config alike.
 """
 from __future__ import annotations
 
@@ -124,6 +127,54 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             "tau": committed / verify if verify else None, "decode_tokens": decode_tokens}
 
 
+def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params: SamplingParams,
+                 tag: str) -> dict[str, dict]:
+    """Every config on the same prompts at once, one engine step each in turn (a rotating order), each
+    step timed on its own: a config's decode time is the sum of its own step times after every one of its
+    requests has a first token. Interleaving per ~100 ms step instead of per run leaves the box's drift
+    (other jobs, memory bandwidth) to fall on every config alike; the ratios then hold the engine's own
+    difference."""
+    names = list(engines)
+    ids = {n: [f"{tag}-{n}-{i}" for i in range(len(prompts))] for n in names}
+    for n in names:
+        for rid, p in zip(ids[n], prompts):
+            engines[n].add_request(rid, p, params)
+    busy = {n: 0.0 for n in names}  # seconds in this config's steps so far
+    ttft = {n: None for n in names}
+    first = {n: set() for n in names}
+    final = {n: {} for n in names}
+    turn = 0
+    while any(engines[n].has_unfinished_requests() for n in names):
+        order = names[turn % len(names):] + names[:turn % len(names)]
+        turn += 1
+        for n in order:
+            eng = engines[n]
+            if not eng.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            outs = eng.step()
+            busy[n] += time.perf_counter() - t0
+            for out in outs:
+                if out.new_token_ids:
+                    first[n].add(out.request_id)
+                if out.finished:
+                    final[n][out.request_id] = out
+            if ttft[n] is None and len(first[n]) == len(prompts):
+                ttft[n] = busy[n]
+    results = {}
+    for n in names:
+        eng = engines[n]
+        assert eng.free_pages == eng.total_pages, f"{n}: KV pages leaked"
+        outs = [final[n][r] for r in ids[n]]
+        decode_tokens = sum(len(o.token_ids) - 1 for o in outs)
+        verify = sum(o.spec_verify_count for o in outs)
+        committed = sum(o.spec_committed_tokens for o in outs)
+        results[n] = {"tokens": [o.token_ids for o in outs],
+                      "decode_tok_s": decode_tokens / max(busy[n] - ttft[n], 1e-9), "busy_s": busy[n],
+                      "ttft_s": ttft[n], "tau": committed / verify if verify else None, "decode_tokens": decode_tokens}
+    return results
+
+
 def run(args) -> None:
     from specpd.draft.loader import random_draft_checkpoint
     from specpd.model.loader import load_checkpoint
@@ -157,10 +208,11 @@ def run(args) -> None:
                 offset += batch
                 order = batch_names[rep % len(batch_names):] + batch_names[:rep % len(batch_names)]
                 ref = None
-                rep_res = {}
-                for n in order:
-                    r = timed_run(engines[n], prompts, params, f"{workload}-{batch}-{rep}-{n}")
-                    rep_res[n] = r
+                if args.lockstep:
+                    rep_res = lockstep_run({n: engines[n] for n in order}, prompts, params, f"{workload}-{batch}-{rep}")
+                else:
+                    rep_res = {n: timed_run(engines[n], prompts, params, f"{workload}-{batch}-{rep}-{n}")
+                               for n in order}
                 for n in batch_names:
                     if rep_res[n]["tokens"] != rep_res["non_spec"]["tokens"]:
                         raise AssertionError(f"{n} output differs from non-spec ({workload}, batch {batch})")

@@ -14,7 +14,9 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
      times; the plan is kept only if it beats everyone at depth 0.
   4. A request at depth 0 re-probes depth 1 after `probe_every` rounds (doubling while probes fail),
-     so a draft that became useful is noticed; its draft extend is deferred until it speculates again
+     so a draft that became useful is noticed (with a draft state, EAGLE-family, a shadow probe: the
+     request stays at depth 0, its draft catches up, and the probe's outcome is whether the token the
+     plain step commits is the draft's top-1 — no verify row); its draft extend is deferred until it speculates again
      (SpecRunner keeps the features), so a useless draft costs nothing per step. The deferred tokens are
      part of what speculating costs (the catch-up extend runs over them), and probes draw on an
      engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
@@ -39,7 +41,7 @@ DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance 
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 PROBE_MIN, PROBE_MAX = 8, 128
-PROBE_BUDGET = 0.015  # share of the modelled round time probes may spend (not frozen)
+PROBE_BUDGET = 0.01  # share of the modelled round time probes may spend (not frozen)
 PROBE_CREDIT_ROUNDS = 64  # the budget saves up at most this many rounds' worth
 DRAFT_SCALE_RANGE = (0.5, 8.0)
 
@@ -145,10 +147,17 @@ class PlanStats:
 
 
 class AdaptivePolicy:
-    def __init__(self, num_steps: int, topk: int, num_draft_tokens: int, cost: CostModel, frozen: bool = False):
+    def __init__(self, num_steps: int, topk: int, num_draft_tokens: int, cost: CostModel, frozen: bool = False,
+                 shadow: bool = False):
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.cost = cost
         self.frozen = frozen
+        # shadow probes (a drafter with a draft state, EAGLE-family): a probing request stays at depth 0 and
+        # only catches its draft up; whether the token it then commits is the draft's top-1 is the probe's
+        # outcome. It costs the catch-up extend without a verify row (at batch 8 one more row crosses the
+        # CPU kernel's 8-row block: +10% of the step)
+        self.shadow = shadow
+        self.shadow_probes: list[str] = []  # the last plan's shadow-probing requests
         self.global_accept = [PRIOR_ACCEPT] * num_steps
         self.stats = PlanStats()
         self._stats: dict[str, RequestStats] = {}
@@ -270,7 +279,17 @@ class AdaptivePolicy:
         if not self.frozen:
             now = self._round_time(depth, *extra)
             self.probe_credit = min(self.probe_credit + PROBE_BUDGET * now, PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now)
+        self.shadow_probes = []
         for _, i, st in sorted(ready, key=lambda r: -r[0]):
+            if self.shadow:  # the catch-up extend alone (its rows: the deferred tokens and this round's)
+                if not self.frozen:
+                    cost = self.cost.draft(extra[1][i] + 1)
+                    if cost > self.probe_credit:
+                        continue  # stays ready: it probes once the budget allows
+                    self.probe_credit -= cost
+                self.shadow_probes.append(request_ids[i])
+                st.probing, st.idle_rounds = True, 0
+                continue
             depth[i] = 1
             if not self.frozen:
                 trial = self._round_time(depth, *extra)

@@ -31,7 +31,7 @@ from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
-from specpd.engine.spec_policy import AdaptivePolicy, CostModel
+from specpd.engine.spec_policy import AdaptivePolicy, CostModel, PiecewiseLinear
 from specpd.kv.allocator import pages_needed
 from specpd.verify.greedy import verify_greedy
 from specpd.verify.rejection import verify_tree
@@ -65,16 +65,17 @@ class SpecRunner:
         items = batch.items
         decode = [it for it in items if it.spec_decode]
         requests = [it.request for it in decode]
-        plans = None
+        plans, shadow = None, set()
         t_round = time.perf_counter()
         if policy is not None and decode:
             others = [it for it in items if not it.spec_decode]
             pending = [self._pending.get(r.request_id, 0) for r in requests]
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending)
+            shadow = set(policy.shadow_probes)  # at depth 0, their drafts caught up: a shadow probe each
+            self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow])
             if not any(steps for steps, _ in plans):
-                return self._plain_round(batch, suppress, t_round)
-            self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0])
+                return self._plain_round(batch, suppress, t_round, shadow)
         trees = dict(zip((id(it) for it in decode),
                          self.proposer.propose(requests, [it.start for it in decode], plans)))
         # -- 1. one target forward over every item ------------------------------------------
@@ -121,7 +122,10 @@ class SpecRunner:
                 res, ext = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
                 row += q
                 if policy is not None:
-                    policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
+                    if it.request.request_id in shadow:
+                        self._observe_shadow(it.request, res.token_ids)
+                    else:
+                        policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
                     policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
                     if self.proposer.needs_hidden:  # run when the request speculates next
                         rid = it.request.request_id
@@ -138,14 +142,23 @@ class SpecRunner:
         # -- 3. the proposer catches up ----------------------------------------------------
         if extends:
             self.proposer.extend(extends)
-        if plans is not None and len(decode) == len(items):  # a prefill's extend is not the draft's round cost
+        # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
+        if plans is not None and len(decode) == len(items) and not shadow:
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s,
                                       any(steps > 0 for steps, _ in plans), policy.last_draft_s)
         return results
 
-    def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float) -> list[SampledTokens]:
+    def _observe_shadow(self, request, committed: list[int]) -> None:
+        """A shadow probe's outcome (AdaptivePolicy.shadow): the draft, caught up before this round, proposed
+        its top-1 for the token the round committed; a greedy verify of that proposal accepts iff they match."""
+        state = request.spec_state
+        hit = state is not None and bool(committed) and committed[0] == state.topk_ids[0]
+        self.policy.observe(request.request_id, 1, int(hit))
+
+    def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float, shadow: set) -> list[SampledTokens]:
         """Every decode request at depth 0: a plain decode step (the runner's batched sampling, no trees, no
-        per-request verify). The draft features of what each request commits are kept for its catch-up."""
+        per-request verify). The draft features of what each request commits are kept for its catch-up;
+        `shadow`: requests whose probe is this round's committed token against their caught-up draft."""
         runner, policy = self.runner, self.policy
         items = batch.items
         ids: list[int] = []
@@ -175,7 +188,10 @@ class SpecRunner:
             offset += q
             if it.spec_decode:
                 res.num_accepted = None  # a plain decode step, not a verify: tau counts verifies only
-                policy.observe(rid, 0, 0)
+                if rid in shadow:
+                    self._observe_shadow(it.request, res.token_ids)
+                else:
+                    policy.observe(rid, 0, 0)
                 policy.stats.record(0, off=True)
                 ext = DraftExtend(it.request, it.start, res.token_ids, rows, at_end=True)
                 if self.proposer.needs_hidden:  # run when the request speculates next
@@ -189,7 +205,7 @@ class SpecRunner:
                 extends.append(_prompt_extend(it, res.token_ids, rows))
         if extends:
             self.proposer.extend(extends)
-        if decode_only:
+        if decode_only and not shadow:  # a shadow probe's catch-up is not what a depth-0 round costs
             policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
         return results
 
@@ -273,7 +289,7 @@ class SpecRunner:
                                                           list(range(n))))
 
             target(grid[-1], 1)  # first-call costs out of the table
-            target_rows = _monotone({r: target(r, 1) for r in grid})
+            target_rows = _monotone(_with_matmul_steps(runner.model, {r: target(r, 1) for r in grid}, timed))
             per_request = max(0.0, (target(1, batch) - target_rows[min(batch, grid[-1])]) / (batch - 1))
             draft_rows = None
             if isinstance(self.proposer, (EagleProposer, HybridProposer)):
@@ -370,8 +386,33 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         frozen = frozen_policy or spec.spec_adaptive_pinned
         cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else spec_runner.calibrate()
         cost.frozen = frozen
-        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen)
+        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
+                                            shadow=proposer.needs_hidden)
     return spec_runner
+
+
+def _with_matmul_steps(model, table: dict[int, float], timed) -> dict[int, float]:
+    """The target's cost at every row count up to the table's last, where the packed CPU kernel runs the
+    decoder's matmuls: its cost steps where a row block starts (8 -> 9 rows costs what 9 -> 16 does) and a
+    sparse grid's interpolation misses the steps, which is what speculating at batch 8 pays. Each count's
+    value: the forward's interpolation plus how far the matmuls at that count (one decoder layer's, timed,
+    times the layer count) lie from their own interpolation over the same grid."""
+    from specpd.kernels import cpu_gemm
+    from specpd.model.llama import MatmulLinear
+    layer = model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    if not all(isinstance(m, MatmulLinear) and m.weight_packed is not None for m in linears) \
+            or not cpu_gemm.available() or torch.get_num_threads() != 1:
+        return table
+    top = max(table)
+    inputs = {m: m.weight_t.shape[0] for m in linears}
+    matmul = {}
+    for rows in range(1, top + 1):
+        xs = [(m, torch.randn(rows, k)) for m, k in inputs.items()]
+        matmul[rows] = len(model.layers) * timed(lambda: [m(x) for m, x in xs])
+    grid = PiecewiseLinear({r: matmul[r] for r in table})
+    forward = PiecewiseLinear(table)
+    return {r: forward(r) + matmul[r] - grid(r) for r in range(1, top + 1)}
 
 
 def _monotone(table: dict[int, float]) -> dict[int, float]:

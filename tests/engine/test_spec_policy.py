@@ -48,6 +48,24 @@ def test_useless_draft_plans_depth_zero_and_probes():
     assert policy._get("a").probe_every == 2 * PROBE_MIN
 
 
+def test_a_shadow_probe_stays_at_depth_zero_and_learns_from_the_committed_token():
+    """A drafter with a draft state probes in the shadow: its plan stays a plain step, the request is listed
+    (the runner catches its draft up and compares the committed token with the draft's top-1)."""
+    policy = policy_with(memory_bound(), rate=0.0)
+    policy.shadow = True
+    for _ in range(PROBE_MIN):
+        plan = policy.plan(["a"])[0]
+    assert plan == (0, 1) and policy.shadow_probes == ["a"]
+    policy.observe("a", 1, 0)  # the committed token was not the draft's top-1
+    assert policy._get("a").probe_every == 2 * PROBE_MIN
+    assert policy.plan(["a"])[0] == (0, 1) and policy.shadow_probes == []
+    for _ in range(2 * PROBE_MIN - 1):
+        policy.plan(["a"])
+    assert policy.shadow_probes == ["a"]
+    policy.observe("a", 1, 1)  # a hit: probes at the shortest interval again, and the rate moved up
+    assert policy._get("a").probe_every == PROBE_MIN and policy.accept_rates("a")[0] > 0.0
+
+
 def test_a_probe_with_nothing_proposed_is_retried_not_counted_as_a_failure():
     policy = policy_with(memory_bound(), rate=0.0)
     for _ in range(PROBE_MIN):
@@ -82,12 +100,15 @@ def test_per_request_depths_differ_by_acceptance():
     assert plans["good"][0] >= 3 and plans["bad"][0] == 0
 
 
-def test_probes_stay_within_the_engine_wide_budget_at_large_batches():
+@pytest.mark.parametrize("shadow", [False, True])
+def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     """16 requests with a useless draft: on their own schedules nearly every round would hold a probe;
-    the budget keeps the probes' modelled cost within PROBE_BUDGET of the modelled time (+ what it saved)."""
+    the budget keeps the probes' modelled cost within PROBE_BUDGET of the modelled time (+ what it saved);
+    a shadow probe costs its catch-up extend only, so more of them fit."""
     ids = [f"r{i}" for i in range(16)]
     policy = policy_with(memory_bound(), rate=0.0, ids=ids)
     policy.frozen = False  # the budget is off when frozen
+    policy.shadow = shadow
     spent = total = 0.0
     probes = 0
     for _ in range(400):
@@ -97,7 +118,8 @@ def test_probes_stay_within_the_engine_wide_budget_at_large_batches():
         total += base
         spent += max(0.0, before + PROBE_BUDGET * base - policy.probe_credit)
         for rid, (k, _) in zip(ids, plans):
-            if k:
+            if k or rid in policy.shadow_probes:
+                assert not (k and shadow)
                 probes += 1
                 policy.observe(rid, 1, 0)
     assert probes > 0
@@ -195,12 +217,17 @@ def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_p
     plain = []  # rounds with every request at depth 0 run as a plain decode step (no trees, batched sampling)
     real_plain = eng.spec_runner._plain_round
     eng.spec_runner._plain_round = lambda *a: (plain.append(1), real_plain(*a))[1]
+    shadow = []  # probes in the shadow: the draft caught up, its top-1 against the committed token, no verify row
+    real_shadow = eng.spec_runner._observe_shadow
+    eng.spec_runner._observe_shadow = lambda req, toks: (shadow.append(req.spec_state.topk_ids[0] == toks[0]),
+                                                         real_shadow(req, toks))[1]
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
     stats = eng.spec_runner.policy.stats
     assert stats.rounds_off > 0.7 * stats.rounds, stats  # a random head accepts ~nothing
     assert len(plain) > 0.5 * stats.rounds / len(PROMPTS), (len(plain), stats)
+    assert shadow and sum(shadow) < 0.5 * len(shadow), shadow  # a random head's top-1 is rarely the token
     # the extend runs for prefill chunks and for probes (catching up), not every round
     assert len(extend_rows) < 0.5 * stats.rounds, (len(extend_rows), stats)
     assert not eng.spec_runner._deferred  # finished requests leave nothing behind

@@ -233,7 +233,6 @@ class AdaptivePolicy:
         for _ in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
             req = other_requests + n
-            row_cost = cost.target(req, rows + 1) - cost.target(req, rows)
             level_rows = [sum(self.frontier(s) for k in depth if k > s) for s in range(steps)]
             # marginal seconds of one request's frontier at draft level s, whether or not it is there now
             add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
@@ -243,12 +242,17 @@ class AdaptivePolicy:
             for i in range(n):
                 ext_rows = ext_total - (gains[i][depth[i]] + pending[i] if depth[i] > 0 else 0.0)
                 ext_base = cost.draft(ext_rows)
+                # the batch's rows with this request at depth 0: its verify rows are priced exactly from there
+                # (the CPU kernel's cost steps at row blocks; a derivative at one point misprices k rows)
+                rows_base = rows - self.rows(depth[i]) + 1
+                target_base = cost.target(req, rows_base)
                 best_k, best_v, draft = 0, 0.0, 0.0
                 for k in range(1, steps + 1):
                     if k > 1:
                         draft += own[k - 1] if depth[i] > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + pending[i]) - ext_base
-                    value = (gains[i][k] - 1.0) - lam * ((self.rows(k) - 1) * row_cost + draft + extend)
+                    verify = cost.target(req, rows_base + self.rows(k) - 1) - target_base
+                    value = (gains[i][k] - 1.0) - lam * (verify + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)

@@ -100,6 +100,22 @@ def test_per_request_depths_differ_by_acceptance():
     assert plans["good"][0] >= 3 and plans["bad"][0] == 0
 
 
+def test_verify_rows_are_priced_exactly_across_a_cost_step():
+    """The CPU kernel's cost steps at 9 rows (a second row block): at batch 8 the first extra row costs 10 ms,
+    the next ones 0.5 ms each. A request that accepts nearly everything pays the step once and goes deep;
+    pricing every row at the first one's cost would keep it at depth 0."""
+    table = {r: (50 + 0.5 * r + (10 if r > 8 else 0)) * MS for r in range(1, 65)}
+    ids = [f"r{i}" for i in range(8)]
+    policy = policy_with(CostModel(table, per_request=0.0, draft_rows=None, frozen=True), rate=0.0, ids=ids[1:])
+    good = policy._get("r0")
+    reach = 1.0
+    for d in range(5):
+        good.attempted[d], good.accepted[d] = 40 * reach, 40 * reach * 0.95
+        reach *= 0.95
+    plans = policy.plan(ids)
+    assert plans[0][0] >= 4 and all(k == 0 for k, _ in plans[1:]), plans
+
+
 @pytest.mark.parametrize("shadow", [False, True])
 def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     """16 requests with a useless draft: on their own schedules nearly every round would hold a probe;

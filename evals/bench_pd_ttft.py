@@ -14,7 +14,8 @@ with the defaults of `--speculative-algorithm eagle3 --draft-model default`). Pr
          (ignore_eos), the blocks of unified and PD probes alternating.
 Targets (issue 13): short, idle D: PD TTFT - unified TTFT <= 30 ms p50 (paired per prompt). 4k: the tail
 from P's last chunk computed (draft extend included in draft-on-both) to D's commit <= one chunk's transfer
-(+ one chunk's draft extend in decode-only). The tail is P's `p_record + p_kv_submit + p_kv_write` (last chunk
+(+ one chunk's draft extend in decode-only: D's mean `d_draft_extend_chunk` over the request's streamed
+chunks, the last included). The tail is P's `p_record + p_kv_submit + p_kv_write` (last chunk
 -> its write complete, P's clock) plus D's `d_commit` (TransferDone in -> committed, D's clock); the ZMQ
 hop between them (loopback) is not in either clock. One chunk's transfer: the request's KV seconds inside
 the transfer backend / its writes (P's counters).
@@ -97,9 +98,13 @@ def tail(row: dict) -> dict:
     st, kv = row["stages_ms"], row["kv"]
     p_tail = sum(st.get(k, 0.0) for k in TAIL_P)
     writes = kv.get("kv_calls") or 1
-    return {"p_tail_ms": p_tail, "d_commit_ms": st.get("d_commit"), "tail_ms": p_tail + st.get("d_commit", 0.0),
-            "one_chunk_transfer_ms": 1000 * kv["kv_transfer_s"] / writes, "writes": writes,
-            "p_prefill_ms": st.get("p_prefill")}
+    transfer = 1000 * kv["kv_transfer_s"] / writes
+    extend = st.get("d_draft_extend_chunk")  # decode-only: D's mean draft extend over one streamed chunk
+    tail_ms = p_tail + st.get("d_commit", 0.0)
+    bound = transfer + (extend or 0.0)
+    return {"p_tail_ms": p_tail, "d_commit_ms": st.get("d_commit"), "tail_ms": tail_ms,
+            "one_chunk_transfer_ms": transfer, "one_chunk_draft_extend_ms": extend, "bound_ms": bound,
+            "met": tail_ms <= bound, "writes": writes, "p_prefill_ms": st.get("p_prefill")}
 
 
 def summary(xs: list[float]) -> dict:
@@ -156,7 +161,8 @@ def report_phase(name: str, r: dict) -> dict:
         s["4k_ttft_pd_ms"] = summary([1000 * x["pd"]["ttft_s"] for x in r["4k"]])
         s["4k_pd_minus_unified_ms"] = summary([x["pd_minus_unified_ms"] for x in r["4k"]])
         s["4k_tail"] = {k: percentile([x["tail"][k] for x in r["4k"] if x["tail"].get(k) is not None], 0.5)
-                        for k in r["4k"][0]["tail"]}
+                        for k in r["4k"][0]["tail"] if k != "met"}
+        s["4k_tail_met"] = [x["tail"]["met"] for x in r["4k"]]  # per request: tail <= transfer (+ extend)
         s["4k_breakdown_p50_ms"] = {k: percentile([x["pd"]["stages_ms"][k] for x in r["4k"]
                                                   if k in x["pd"]["stages_ms"]], 0.5)
                                     for k in r["4k"][0]["pd"]["stages_ms"]}
@@ -172,7 +178,9 @@ def report_phase(name: str, r: dict) -> dict:
         t = s["4k_tail"]
         log(f"   {name} 4k: unified {s['4k_ttft_unified_ms']['p50']:.0f} ms, PD {s['4k_ttft_pd_ms']['p50']:.0f} ms; "
             f"tail {t['tail_ms']:.1f} ms (P {t['p_tail_ms']:.1f} + D commit {t['d_commit_ms']:.1f}) vs one chunk's "
-            f"transfer {t['one_chunk_transfer_ms']:.1f} ms")
+            f"transfer {t['one_chunk_transfer_ms']:.1f} ms"
+            + (f" + one chunk's draft extend {t['one_chunk_draft_extend_ms']:.1f} ms"
+               if t.get("one_chunk_draft_extend_ms") is not None else "") + f"; met {s['4k_tail_met']}")
     if "load_ttft_pd_ms" in s:
         log(f"   {name} load: unified {s['load_ttft_unified_ms']['p50']:.0f} ms, PD {s['load_ttft_pd_ms']['p50']:.0f} ms")
     return s

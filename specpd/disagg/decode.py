@@ -160,6 +160,7 @@ class _Room:
     cache_node: object = None  # the prefix-cache path the first pages come from (locked until commit / free)
     cached_tokens: int = 0  # positions < this are in D's cached pages: P sends nothing for them
     draft_streamed: int = 0  # decode-only: positions after cached_tokens D drafted from TargetFeatures
+    draft_extends: list = field(default_factory=list)  # decode-only: seconds of each of those draft extends
     record: HandoffRecord | None = None
     done: TransferDone | None = None
     aborted_at: float | None = None  # monotonic time D sent Abort
@@ -304,11 +305,13 @@ class DecodeWorker(DisaggWorker):
         if msg.start != start or room.aborted_at is not None:
             logger.warning("room %d: target features from %d, D's draft KV ends at %d", msg.room, msg.start, start)
             return
+        t0 = time.monotonic()
         try:
             self.engine.draft_extend_prompt_part(room.prompt_token_ids, room.pages, msg.start, msg.hidden)
         except ValueError as e:
             logger.warning("room %d: %s", msg.room, e)
             return
+        room.draft_extends.append(time.monotonic() - t0)
         room.draft_streamed += msg.hidden.shape[0]
         self.draft_streamed_tokens += msg.hidden.shape[0]
 
@@ -459,6 +462,8 @@ class DecodeWorker(DisaggWorker):
             return
         room.marks["first_token"] = at
         durations = between(room.marks, _D_STAGES)
+        if room.draft_extends:
+            durations["d_draft_extend_chunk"] = room.draft_extends
         self.stages.observe(durations)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("room %d %s (%d tokens): %s", room.info.room, request_id, len(room.prompt_token_ids),

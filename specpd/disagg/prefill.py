@@ -25,7 +25,9 @@ A request's life on P, keyed by its `bootstrap_room`:
      target features, captured by the engine, which then loads no draft, those not streamed yet) goes
      to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (one
      descriptor per page into D's destination pages; draft-on-both: the draft pool's pages too). Record
-     first: serializing it holds the GIL the writer thread needs.
+     first: serializing it holds the GIL the writer thread needs. Draft-on-decode-only with streaming, the
+     last chunk's features go ahead of the record as a `TargetFeatures` (all but the last position, whose
+     draft input is y0), so D's draft extend over them overlaps the last write; the record carries one row.
   4. inflight queue: the room's transfer handles are polled every step; when all are done P sends
      `TransferDone` (or, if any failed, `TransferFailed`: no write of the room is in flight then), then
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
@@ -311,14 +313,15 @@ class PrefillWorker(DisaggWorker):
         if self._submit(room, req.pages[first + room.streamed:first + end], dest.dst_page_ids[room.streamed:end]):
             room.streamed = end
 
-    def _stream_features(self, room: _Room, req) -> None:
-        """Draft-on-decode-only: the target features of the chunk just computed go to D now (module docstring,
-        2c), so D's draft extend over them overlaps P's next chunk instead of waiting for the record."""
+    def _stream_features(self, room: _Room, req, end: int | None = None) -> None:
+        """Draft-on-decode-only: the target features of the chunk just computed (up to `end`, default all that
+        is computed) go to D now (module docstring, 2c), so D's draft extend over them overlaps P's next chunk,
+        or for the last chunk its pages' write, instead of waiting for the record."""
         dest = room.destination
         if self.peer_config.draft_mode != "decode_only" or dest is None or dest.prefill_locally \
                 or self._stream_failed(room) or not req.handoff_hidden:
             return
-        start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens
+        start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens if end is None else end
         if end > start:
             hidden = _features_from(req.handoff_hidden, start)[:end - start]
             self.control.send(room.identity, TargetFeatures(room.info.room, start, hidden))
@@ -455,6 +458,10 @@ class PrefillWorker(DisaggWorker):
         if lp is not None and lp.top:
             top = {"top_logprob_ids": torch.tensor([t for t, _ in lp.top], dtype=torch.int64),
                    "top_logprobs": torch.tensor([v for _, v in lp.top], dtype=torch.float32)}
+        if self.stream_chunks:
+            # decode-only: the last chunk's features but the last position's (its draft input is y0, in the
+            # record) go now, ahead of its pages: D extends the draft over them while the last write is in flight
+            self._stream_features(room, req, end=req.num_prompt_tokens - 1)
         record = HandoffRecord(room=room.info.room, request_id=room.request_id, prompt_len=req.num_prompt_tokens,
                                handoff_token=req.output_token_ids[0],
                                handoff_logprob=lp.logprob if lp is not None else None,
@@ -515,4 +522,6 @@ def _features_from(parts: list[torch.Tensor], start: int) -> torch.Tensor:
             break
         tail.append(part[max(0, start - (end - part.shape[0])):])
         end -= part.shape[0]
-    return torch.cat(tail[::-1]) if tail else parts[0][:0]
+    if not tail:
+        return parts[0][:0]
+    return tail[0] if len(tail) == 1 else torch.cat(tail[::-1])  # one chunk: a view, sent without a copy

@@ -23,7 +23,10 @@ Stages, in a request's order (P = prefill server, D = decode server; names are t
   d_prealloc            D: room queued -> pages offered to P (KVDestination queued)
   d_wait_record         D: pages offered -> P's handoff record arrived
   d_wait_kv             D: handoff record arrived -> P's TransferDone arrived
-  d_commit              D: both arrived -> handoff committed (decode-only: draft extend included)
+  d_draft_extend_chunk  D, decode-only with streaming: the draft extend over one chunk's TargetFeatures (one
+                        sample per chunk; the last chunk's runs while its pages are written)
+  d_commit              D: both arrived -> handoff committed (decode-only: the draft extend over what the
+                        record carries included)
   d_first_token_out     D: committed -> y0 handed to the HTTP stream
   d_ttft                D: HTTP request read -> y0 handed to the HTTP stream
 """
@@ -35,7 +38,8 @@ import threading
 STAGES = ("router_prefill_done", "router_decode_headers", "router_ttft",
           "p_admit", "p_wait_destination", "p_queue", "p_prefill_chunk", "p_prefill", "p_record", "p_kv_submit",
           "p_kv_write", "p_total",
-          "d_admit", "d_prealloc", "d_wait_record", "d_wait_kv", "d_commit", "d_first_token_out", "d_ttft")
+          "d_admit", "d_prealloc", "d_wait_record", "d_wait_kv", "d_draft_extend_chunk", "d_commit",
+          "d_first_token_out", "d_ttft")
 WINDOW = 4096  # samples kept per stage for the quantiles (the newest)
 
 

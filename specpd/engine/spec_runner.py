@@ -327,7 +327,8 @@ class SpecRunner:
             token = sample(process_logits(logits, [row]), [row], self.runner.shared_generator)[0]
             token_ids = [token]
             logprobs = compute_logprobs(raw, [token], [row]) if raw is not None else [None]
-        return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), _prompt_extend(it, token_ids, features)
+        ext = _prompt_extend(it, token_ids, features)
+        return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
     def _verify(self, it: ScheduledItem, tree, logits, features, suppress):
         """logits [T, vocab] fp32 at the tree's nodes."""

@@ -6,7 +6,8 @@ every chunk after the first streams):
 - prompts of 6-7 chunks (one with a partial last page) through a streaming P and a non-streaming P into one D:
   tokens and acceptance equal the unified engine's; the streaming P wrote pages before the last chunk, the
   other none; draft-on-decode-only, D ran its draft extend over each streamed chunk's target features as they
-  came; the second prompt per P hits D's prefix cache (P sends only the pages after it); every page
+  came, the last chunk's included (sent ahead of the record, all but the prompt's last position); the second
+  prompt per P hits D's prefix cache (P sends only the pages after it); every page
   comes back on both Ps and D;
 - a transfer that fails after the first chunk's write (an in-process P whose backend fails its second write
   call): D's request fails, the rest of the prompt is never sent, and every page comes back on P and D.
@@ -77,7 +78,9 @@ def test_streamed_chunks_match_unified(model_dir, eagle_dir, mode, backend):  # 
         assert on["kv_transfers"] == off["kv_transfers"] == 2
         # decode-only: D drafted the streamed chunks' positions from their TargetFeatures before the commit
         # (the streaming P's two rooms; the second after D's cached prefix), not all at commit
-        assert (info(d_url)["pd_draft_streamed_tokens"] > 0) == (mode == "decode-only")
+        # and the last chunk's ahead of the record but its last position (whose draft input is y0): 37 positions
+        # of the first prompt, 3 of the second after D's 28 cached tokens
+        assert info(d_url)["pd_draft_streamed_tokens"] == (40 if mode == "decode-only" else 0)
 
 
 def test_transfer_failing_mid_stream_leaks_nothing(model_dir):  # noqa: F811

@@ -217,11 +217,11 @@ def test_output_rows_write_every_row_and_match_the_full_forward(tmp_path, target
     pool_full, backend_full = draft_attention(draft)
     pool_rows, backend_rows = draft_attention(draft)
     with torch.no_grad():
-        full = draft(ids, hidden, positions, backend_full, backend_full.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)),
-                     step=step)
+        full = draft(ids, hidden, positions, backend_full,
+                     backend_full.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)), step=step)
         rows = OutputRows(last, backend_rows.plan(AttentionMetadata.build([1] * len(SEQS), SEQS, PAGES, 4)))
-        out = draft(ids, hidden, positions, backend_rows, backend_rows.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)),
-                    step=step, rows=rows)
+        out = draft(ids, hidden, positions, backend_rows,
+                    backend_rows.plan(AttentionMetadata.build(SEQS, SEQS, PAGES, 4)), step=step, rows=rows)
     assert out.shape == (len(SEQS), draft.config.hidden_size)
     torch.testing.assert_close(out, full[last], atol=1e-5, rtol=1e-5)
     used = sorted({p for pages in PAGES for p in pages})

@@ -75,14 +75,21 @@ class CostModel:
     """target(requests, rows) and draft(rows) in seconds; draft_step_overhead: Python per draft level."""
 
     def __init__(self, target_rows: dict[int, float], per_request: float, draft_rows: dict[int, float] | None,
-                 frozen: bool = False):
+                 frozen: bool = False, tree_factor: float = 1.0):
         self.target_rows = PiecewiseLinear(target_rows)  # one request with `rows` query rows
         self.per_request = per_request  # extra seconds per further request in the batch
+        # measured / modelled seconds of a batch whose requests each verify several rows (their attention runs
+        # as padded multi-row blocks with tree masks, which one request's rows do not show): verify rows cost
+        # this much more than the table says
+        self.tree_factor = tree_factor
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
         # measured / predicted seconds of what a speculating round adds outside the target forward
         self.draft_scale = 1.0
         self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
+        # a model-free drafter (n-gram): what each speculating request adds outside the target forward (its
+        # proposal, tree, verify, KV compaction); a model drafter's is in draft_scale
+        self.spec_overhead = 0.0
 
     @classmethod
     def pinned(cls, with_draft: bool) -> "CostModel":
@@ -102,11 +109,18 @@ class CostModel:
         if not self.frozen:
             self.target_rows.refine(rows, seconds - self.per_request * max(requests - 1, 0), ONLINE_RATE)
 
-    def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float) -> None:
+    def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
+                      speculating: int = 0) -> None:
         """One decode round (no prefill in it): `outside_s` = its seconds outside the target forward,
-        `predicted_draft_s` = what `draft` predicted for its draft forwards."""
-        if self.frozen or requests <= 0 or (speculated and predicted_draft_s <= 0):
-            return  # a model-free drafter's rounds: no draft forward to scale
+        `predicted_draft_s` = what `draft` predicted for its draft forwards, `speculating` = its requests
+        above depth 0."""
+        if self.frozen or requests <= 0:
+            return
+        if speculated and predicted_draft_s <= 0:  # a model-free drafter: no draft forward to scale
+            if self.off_overhead is not None and speculating > 0:
+                per = max(outside_s - self.off_overhead * requests, 0.0) / speculating
+                self.spec_overhead += ONLINE_RATE * (per - self.spec_overhead)
+            return
         if not speculated:
             per = outside_s / requests
             self.off_overhead = per if self.off_overhead is None else \
@@ -120,6 +134,7 @@ class CostModel:
     def as_dict(self) -> dict:
         return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "draft_scale": self.draft_scale, "off_overhead": self.off_overhead,
+                "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
 
 
@@ -251,8 +266,8 @@ class AdaptivePolicy:
                     if k > 1:
                         draft += own[k - 1] if depth[i] > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + pending[i]) - ext_base
-                    verify = cost.target(req, rows_base + self.rows(k) - 1) - target_base
-                    value = (gains[i][k] - 1.0) - lam * (verify + draft + extend)
+                    verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
+                    value = (gains[i][k] - 1.0) - lam * (verify + draft + extend + cost.spec_overhead)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -306,8 +321,11 @@ class AdaptivePolicy:
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
                     other_rows: int) -> float:
-        rows = other_rows + sum(self.rows(k) for k in depth)
-        return self.cost.target(other_requests + len(depth), rows) + self._draft_time(depth, gains, pending)
+        req, rows = other_requests + len(depth), other_rows + sum(self.rows(k) for k in depth)
+        plain = self.cost.target(req, other_rows + len(depth))
+        target = plain + (self.cost.target(req, rows) - plain) * self.cost.tree_factor
+        return (target + self._draft_time(depth, gains, pending)
+                + self.cost.spec_overhead * sum(1 for k in depth if k > 0))
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""

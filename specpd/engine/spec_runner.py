@@ -144,8 +144,9 @@ class SpecRunner:
             self.proposer.extend(extends)
         # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
         if plans is not None and len(decode) == len(items) and not shadow:
-            policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s,
-                                      any(steps > 0 for steps, _ in plans), policy.last_draft_s)
+            speculating = sum(1 for steps, _ in plans if steps > 0)
+            policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
+                                      policy.last_draft_s, speculating)
         return results
 
     def _observe_shadow(self, request, committed: list[int]) -> None:
@@ -259,7 +260,7 @@ class SpecRunner:
         batch = 8
         context = max(1, min(context, avail // (2 * batch) - 1))
         grid = [g for g in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if context + g <= avail]
-        per_req_pages = pages_needed(context + 1, page_size)
+        per_req_pages = pages_needed(context + 2, page_size)
         big_pages = pages_needed(context + grid[-1], page_size)
         need = max(big_pages, batch * per_req_pages)
         if len(grid) < 2 or need > alloc.num_free:
@@ -291,6 +292,12 @@ class SpecRunner:
             target(grid[-1], 1)  # first-call costs out of the table
             target_rows = _monotone(_with_matmul_steps(runner.model, {r: target(r, 1) for r in grid}, timed))
             per_request = max(0.0, (target(1, batch) - target_rows[min(batch, grid[-1])]) / (batch - 1))
+            # `batch` requests of 2 rows each against the table's price for their rows (CostModel.tree_factor)
+            tree_rows = min(2 * batch, grid[-1])
+            modelled = target_rows[tree_rows] - target_rows[batch] if tree_rows in target_rows else 0.0
+            tree_factor = 1.0
+            if modelled > 0:
+                tree_factor = min(4.0, max(1.0, (target(2, batch) - target(1, batch)) / modelled))
             draft_rows = None
             if isinstance(self.proposer, (EagleProposer, HybridProposer)):
                 model = self.proposer if isinstance(self.proposer, EagleProposer) else self.proposer.model
@@ -305,7 +312,7 @@ class SpecRunner:
                 draft_rows = _monotone(draft_rows)
         finally:
             alloc.free(pages)
-        return CostModel(target_rows, per_request, draft_rows)
+        return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor)
 
     # -- per item ---------------------------------------------------------------------------
     def _row(self, it: ScheduledItem, extra_output: list[int], suppress) -> SamplingRow:

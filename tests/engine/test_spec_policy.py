@@ -116,6 +116,17 @@ def test_verify_rows_are_priced_exactly_across_a_cost_step():
     assert plans[0][0] >= 4 and all(k == 0 for k, _ in plans[1:]), plans
 
 
+def test_a_measured_tree_factor_makes_verify_rows_dearer():
+    """Batches whose requests each verify several rows cost more than one request's rows in the table
+    (CostModel.tree_factor, measured at startup): with it at 2 the same acceptance buys less depth."""
+    ids = [f"r{i}" for i in range(8)]
+
+    def depth(factor):
+        cost = CostModel({1: 50 * MS, 64: 113 * MS}, 0.5 * MS, None, frozen=True, tree_factor=factor)
+        return sum(k for k, _ in policy_with(cost, rate=0.45, ids=ids).plan(ids))
+    assert depth(1.0) > depth(2.0)
+
+
 @pytest.mark.parametrize("shadow", [False, True])
 def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     """16 requests with a useless draft: on their own schedules nearly every round would hold a probe;
@@ -161,6 +172,22 @@ def test_draft_scale_follows_what_speculating_rounds_cost_outside_the_target():
     assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
     cost.observe_round(4, 1.0, True, 0.0)  # a model-free drafter's round: nothing to scale
     assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
+
+
+def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
+    """An n-gram drafter has no draft forward; what its speculating requests add outside the target (proposal,
+    tree, verify) is measured per speculating request and makes a marginal speculation not pay."""
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows=None)
+    for _ in range(50):
+        cost.observe_round(8, 8 * MS, False, 0.0)
+    for _ in range(100):
+        cost.observe_round(8, 8 * MS + 2 * 6 * MS, True, 0.0, speculating=2)  # 6 ms per speculating request
+    assert cost.spec_overhead == pytest.approx(6 * MS, rel=0.05)
+    cost.frozen = True
+    ids = [f"r{i}" for i in range(8)]
+    free = policy_with(CostModel({1: 50 * MS, 64: 113 * MS}, 0.5 * MS, None, frozen=True), rate=0.25, ids=ids)
+    priced = policy_with(cost, rate=0.25, ids=ids)
+    assert sum(k for k, _ in free.plan(ids)) > sum(k for k, _ in priced.plan(ids))
 
 
 def test_observe_updates_conditional_rates():

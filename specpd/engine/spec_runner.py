@@ -128,9 +128,7 @@ class SpecRunner:
                         policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
                     policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
                     if self.proposer.needs_hidden:  # run when the request speculates next
-                        rid = it.request.request_id
-                        self._deferred.setdefault(rid, []).append(ext)
-                        self._pending[rid] = self._pending.get(rid, 0) + len(ext.token_ids)
+                        self._defer(ext)
                         ext = None
             else:
                 self._drop_deferred(it.request.request_id)  # a recompute (after preemption) starts over
@@ -196,8 +194,7 @@ class SpecRunner:
                 policy.stats.record(0, off=True)
                 ext = DraftExtend(it.request, it.start, res.token_ids, rows, at_end=True)
                 if self.proposer.needs_hidden:  # run when the request speculates next
-                    self._deferred.setdefault(rid, []).append(ext)
-                    self._pending[rid] = self._pending.get(rid, 0) + 1
+                    self._defer(ext)
                 else:
                     extends.append(ext)
             else:
@@ -231,6 +228,11 @@ class SpecRunner:
         everything they committed: the prefix cache then keeps all their full pages, not only those
         before their last draft."""
         self._catch_up([r for r in requests if r.request_id in self._deferred])
+
+    def _defer(self, ext: DraftExtend) -> None:
+        rid = ext.request.request_id
+        self._deferred.setdefault(rid, []).append(ext)
+        self._pending[rid] = self._pending.get(rid, 0) + len(ext.token_ids)
 
     def _drop_deferred(self, request_id: str) -> list[DraftExtend] | None:
         self._pending.pop(request_id, None)

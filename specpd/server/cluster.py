@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import re
 import signal
 import subprocess
@@ -113,7 +114,7 @@ def _healthy(base: str) -> bool:
     try:
         with urllib.request.urlopen(base + "/health", timeout=HEALTH_TIMEOUT_S) as resp:
             return resp.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # refused, timed out, or cut off mid-answer (a server killed)
         return False
 
 
@@ -125,7 +126,7 @@ def _answers(base: str) -> bool:
             return True
     except urllib.error.HTTPError:
         return True
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from specpd.server.cluster import child_commands, choose_transfer_backend
-from specpd.server.launch import free_port
+from specpd.server.launch import free_port, tail
 from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
 from tests.server.launcher import launch_server
 
@@ -60,7 +60,7 @@ def test_a_killed_server_is_restarted_and_the_cluster_serves_again(model_dir, ex
         assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 1
 
         while True:  # the launcher restarts P; the first request that works ends the outage
-            assert launcher.poll() is None, "the launcher stopped the cluster"
+            assert launcher.poll() is None, f"the launcher stopped the cluster:\n{tail(srv['log'])}"
             assert time.monotonic() - killed < 60, "the cluster did not serve again within a minute"
             try:
                 resp = client.post("/v1/completions", json=body, timeout=30)

@@ -25,13 +25,6 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
   5. Whatever a speculating round costs outside the target forward (draft forwards, the catch-up,
      building trees and masks, verifying) is measured each round against what the cost model predicted
      for its draft forwards, and the ratio scales the draft costs from then on (`CostModel.draft_scale`).
-  6. What the rounds realize: every decode round's committed tokens per second against what the plan
-     predicted, per batch-size bucket, for speculating and for depth-0 rounds alike (`RateCheck`). A
-     speculating plan is kept only if its predicted rate, corrected by what speculating rounds of this
-     batch size realized against their prediction, beats the depth-0 rate corrected the same way: whatever
-     the cost model or the acceptance estimates miss (cache misses of a larger working set, a kernel's row
-     blocks, acceptance that drifts) is caught by what it did to the batch's tokens per second. While no
-     round speculates the correction relaxes towards 1, so the engine tries again now and then.
 It changes speed, never output: the verify is lossless whatever the depth.
 `frozen=True` (tests): no online refinement and no engine-wide learning, so a request's plan depends
 only on its own history (PD and unified then take identical rounds).
@@ -51,46 +44,6 @@ PROBE_MIN, PROBE_MAX = 8, 128
 PROBE_BUDGET = 0.01  # share of the modelled round time probes may spend (not frozen)
 PROBE_CREDIT_ROUNDS = 64  # the budget saves up at most this many rounds' worth
 DRAFT_SCALE_RANGE = (0.5, 8.0)
-RATE_STEP = 0.1  # RateCheck: EMA step per observed round
-RATE_RELAX = 0.01  # per depth-0 round, the speculating rounds' correction forgets this share of its log
-
-
-class RateCheck:
-    """Realized / predicted committed tokens per second of decode rounds, per batch-size bucket
-    (1, 2-3, 4-7, 8-15, ...), apart for speculating and depth-0 rounds. Each side keeps EMAs of the
-    rounds' tokens and seconds, realized and predicted, and compares their ratios (a mean of per-round
-    ratios would be biased: one request's round commits 1, 2 or 3 tokens, not their mean)."""
-
-    def __init__(self):
-        self._ema: dict[tuple[bool, int], list[float]] = {}  # (speculated, bucket) -> [tok, s, pred tok, pred s]
-        self._idle: dict[int, int] = {}  # bucket -> depth-0 rounds since its last speculating one
-        self.gated = 0  # plans turned to depth 0 by the check
-
-    @staticmethod
-    def bucket(requests: int) -> int:
-        return max(requests, 1).bit_length()
-
-    def factor(self, speculated: bool, requests: int) -> float:
-        b = self.bucket(requests)
-        ema = self._ema.get((speculated, b))
-        if ema is None:
-            return 1.0
-        f = (ema[0] / ema[1]) / (ema[2] / ema[3])
-        return f ** ((1.0 - RATE_RELAX) ** self._idle.get(b, 0)) if speculated else f
-
-    def keeps(self, requests: int, spec_rate: float, plain_rate: float) -> bool:
-        return spec_rate * self.factor(True, requests) > plain_rate * self.factor(False, requests)
-
-    def observe(self, requests: int, speculated: bool, tokens: float, seconds: float, predicted_tokens: float,
-                predicted_seconds: float) -> None:
-        if min(tokens, seconds, predicted_tokens, predicted_seconds) <= 0:
-            return
-        b = self.bucket(requests)
-        obs = (tokens, seconds, predicted_tokens, predicted_seconds)
-        # a new bucket starts from the prediction (one round is no evidence: a request commits 1 or 3 tokens)
-        ema = self._ema.setdefault((speculated, b), [predicted_tokens, predicted_seconds] * 2)
-        ema[:] = [e + RATE_STEP * (o - e) for e, o in zip(ema, obs)]
-        self._idle[b] = 0 if speculated else self._idle.get(b, 0) + 1
 
 
 class PiecewiseLinear:
@@ -224,10 +177,6 @@ class AdaptivePolicy:
         self.stats = PlanStats()
         self._stats: dict[str, RequestStats] = {}
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
-        self.rate_check = RateCheck()
-        # the last plan's (speculated, predicted tokens, predicted seconds) before probes; None: not a round
-        # to learn from (probes changed it, or prefill items shared it)
-        self.last_rate: tuple[bool, float, float] | None = None
         self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
 
     # -- shape of a round -------------------------------------------------------------------
@@ -326,21 +275,9 @@ class AdaptivePolicy:
                 break
             depth = new
             lam = max(lam, sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra))
-        plain_rate = n / base_time
-        spec_rate = sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra)
-        if spec_rate <= plain_rate:
+        if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
-        elif not self.frozen and not self.rate_check.keeps(n + other_requests, spec_rate, plain_rate):
-            depth = [0] * n
-            self.rate_check.gated += 1
-        speculated = any(depth)
-        predicted = (sum(g[k] for g, k in zip(gains, depth)), self._round_time(depth, *extra)) if speculated \
-            else (float(n), base_time)
-        self.last_rate = (speculated, *predicted) if not other_requests else None
-        before = list(depth)
         self._probe(request_ids, depth, extra)
-        if depth != before or self.shadow_probes:
-            self.last_rate = None
         self.last_draft_s = self._draft_time(depth, gains, pending)
         return [(k, self.budget(k) if k else 1) for k in depth]
 
@@ -398,14 +335,6 @@ class AdaptivePolicy:
         return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0))))
 
     # -- feedback ---------------------------------------------------------------------------
-    def observe_rate(self, requests: int, tokens: int, seconds: float) -> None:
-        """The last planned round, all of it decode: `tokens` committed in `seconds` (the whole round)."""
-        if self.frozen or self.last_rate is None or seconds <= 0:
-            return
-        speculated, predicted_tokens, predicted_seconds = self.last_rate
-        self.rate_check.observe(requests, speculated, tokens, seconds, predicted_tokens, predicted_seconds)
-        self.last_rate = None
-
     def observe(self, request_id: str, proposed_depth: int, num_accepted: int) -> None:
         """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept."""
         st = self._get(request_id)

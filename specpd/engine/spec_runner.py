@@ -143,10 +143,8 @@ class SpecRunner:
         # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
         if plans is not None and len(decode) == len(items) and not shadow:
             speculating = sum(1 for steps, _ in plans if steps > 0)
-            seconds = time.perf_counter() - t_round
-            policy.cost.observe_round(len(decode), seconds - target_s, speculating > 0, policy.last_draft_s,
-                                      speculating)
-            policy.observe_rate(len(decode), sum(len(r.token_ids) for r in results), seconds)
+            policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
+                                      policy.last_draft_s, speculating)
         return results
 
     def _observe_shadow(self, request, committed: list[int]) -> None:
@@ -206,9 +204,7 @@ class SpecRunner:
         if extends:
             self.proposer.extend(extends)
         if decode_only and not shadow:  # a shadow probe's catch-up is not what a depth-0 round costs
-            seconds = time.perf_counter() - t_round
-            policy.cost.observe_round(len(items), seconds - target_s, False, 0.0)
-            policy.observe_rate(len(items), len(items), seconds)
+            policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
         return results
 
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):

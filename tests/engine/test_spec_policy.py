@@ -154,67 +154,6 @@ def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     assert probes < 16 * 400 / PROBE_MIN / 4  # far fewer than the per-request schedules alone
 
 
-def _realize(policy: AdaptivePolicy, ids: list[str], rounds: int, spec_seconds: float, plain_seconds: float,
-             tokens_of=None) -> list[bool]:
-    """Plan `rounds` rounds and report each as the engine would: a speculating round takes `spec_seconds`
-    and commits `tokens_of(round)` tokens (default: what the plan expected), a depth-0 one `plain_seconds`."""
-    spoke = []
-    for r in range(rounds):
-        plans = policy.plan(ids)
-        speculated = any(k for k, _ in plans)
-        spoke.append(speculated)
-        if policy.last_rate is None:
-            continue
-        tokens = (tokens_of(r) if tokens_of else policy.last_rate[1]) if speculated else len(ids)
-        policy.observe_rate(len(ids), tokens, spec_seconds if speculated else plain_seconds)
-    return spoke
-
-
-def test_speculating_rounds_that_realize_less_than_plain_ones_are_turned_off():
-    """The cost model says depth > 0 pays at batch 8 (acceptance 0.6), but the machine disagrees: speculating
-    rounds take 60% longer than modelled. The rate check sees it within a dozen rounds and plans depth 0; the
-    correction relaxes while nothing speculates: a retry comes later (each moves the correction further), and
-    the retries thin out."""
-    ids = [f"r{i}" for i in range(8)]
-    policy = policy_with(memory_bound(), rate=0.6, ids=ids)
-    policy.frozen = False
-    policy.cost.frozen = True  # the cost table stays as given: only the rate check learns
-    for rid in ids:
-        policy._get(rid).probe_every = 10 ** 9  # no probes in the way
-    plans = policy.plan(ids)
-    assert any(k for k, _ in plans)
-    spec_s = policy.last_rate[2] * 1.6
-    plain_s = policy._round_time([0] * 8, [[1.0] * 6] * 8, [0] * 8, 0, 0)
-    spoke = _realize(policy, ids, 400, spec_s, plain_s)
-    assert spoke[0] and sum(spoke[:40]) < 20, spoke[:40]  # turned off
-    assert 0 < sum(spoke[100:]) < 15  # retried now and then, not re-enabled
-    assert policy.rate_check.gated > 300
-
-
-def test_the_rate_check_keeps_speculation_that_pays_at_batch_one():
-    """One request commits 1, 2 or 3 tokens a round, as predicted on average: the check compares EMAs of
-    tokens and seconds, so the spread of single rounds does not read as a loss (a mean of log-ratios would)."""
-    import random
-    rng = random.Random(0)
-    policy = policy_with(memory_bound(), rate=0.3, ids=["a"])
-    policy.frozen = False
-    policy.cost.frozen = True
-    policy._get("a").probe_every = 10 ** 9
-    plans = policy.plan(["a"])
-    depth, (expected, seconds) = plans[0][0], policy.last_rate[1:]
-    plain_s = policy._round_time([0], [[1.0] * 6], [0], 0, 0)
-    assert depth >= 1 and expected / seconds < 1.25 / plain_s  # a margin of 25% at most
-
-    def tokens(_):  # 1 + the accepted prefix of `depth` proposals, scaled to the plan's expectation
-        n = 1
-        while n <= depth and rng.random() < 0.3:
-            n += 1
-        return n
-    mean = sum(tokens(0) for _ in range(20000)) / 20000
-    spoke = _realize(policy, ["a"], 300, seconds, plain_s, tokens_of=lambda r: tokens(r) * expected / mean)
-    assert all(spoke), spoke.index(False)
-
-
 def test_deferred_catch_up_counts_against_speculating():
     """A request whose draft extend is far behind pays a long catch-up to speculate: a marginal depth that
     pays with nothing deferred does not with 200 tokens deferred (the draft table grows past 64 rows)."""

@@ -96,30 +96,100 @@ void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, i
 }
 """
 
+# The same kernel for CPUs with AVX2 + FMA and no AVX-512 (e.g. AMD EPYC before Zen 4): the same packed
+# layout, a panel is two ymm. 16 ymm do not hold four panels' accumulators for several rows, so each step
+# runs the four streams as two pairs and the rows in blocks of up to 3 (12 accumulators + 4 weight
+# vectors + the broadcast); a block re-reads its two panels from L1/L2, the weight streams from memory once.
+_SOURCE_AVX2 = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#define PW 16
+#define NS 4
+#define PFD 512
+static inline void store16(float* y, __m256 lo, __m256 hi, int valid) {
+  if (valid >= PW) { _mm256_storeu_ps(y, lo); _mm256_storeu_ps(y + 8, hi); return; }
+  float t[PW]; _mm256_storeu_ps(t, lo); _mm256_storeu_ps(t + 8, hi);
+  memcpy(y, t, (size_t)valid * sizeof(float));
+}
+#define DEF_PAIR(R) \
+static void pair_##R(const float* restrict x, int64_t ldx, const float* w0, const float* w1, int64_t K, \
+                     float* y0, float* y1, int64_t ldy, int n0, int n1) { \
+  __m256 a[4][R]; \
+  _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) \
+    _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) a[s][r] = _mm256_setzero_ps(); \
+  for (int64_t k = 0; k < K; k++) { \
+    _mm_prefetch((const char*)(w0 + k * PW + PFD), _MM_HINT_T0); \
+    _mm_prefetch((const char*)(w1 + k * PW + PFD), _MM_HINT_T0); \
+    __m256 v0 = _mm256_loadu_ps(w0 + k * PW), v1 = _mm256_loadu_ps(w0 + k * PW + 8); \
+    __m256 v2 = _mm256_loadu_ps(w1 + k * PW), v3 = _mm256_loadu_ps(w1 + k * PW + 8); \
+    _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) { \
+      __m256 b = _mm256_broadcast_ss(x + r * ldx + k); \
+      a[0][r] = _mm256_fmadd_ps(b, v0, a[0][r]); a[1][r] = _mm256_fmadd_ps(b, v1, a[1][r]); \
+      a[2][r] = _mm256_fmadd_ps(b, v2, a[2][r]); a[3][r] = _mm256_fmadd_ps(b, v3, a[3][r]); } \
+  } \
+  _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) { \
+    if (n0 > 0) store16(y0 + r * ldy, a[0][r], a[1][r], n0); \
+    if (n1 > 0) store16(y1 + r * ldy, a[2][r], a[3][r], n1); } \
+}
+DEF_PAIR(1) DEF_PAIR(2) DEF_PAIR(3)
+typedef void (*pair_fn)(const float*, int64_t, const float*, const float*, int64_t, float*, float*, int64_t, int, int);
+static const pair_fn PAIRS[4] = {0, pair_1, pair_2, pair_3};
+
+void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y) {
+  int64_t per = (N + PW * NS - 1) / (PW * NS);
+  for (int64_t p = 0; p < per; p++) {
+    const float* w[NS];
+    int valid[NS];
+    int64_t col[NS];
+    for (int s = 0; s < NS; s++) {
+      int64_t q = p + s * per;
+      int64_t v = N - q * PW;
+      w[s] = wp + q * K * PW;
+      col[s] = v > 0 ? q * PW : 0;
+      valid[s] = v >= PW ? PW : v <= 0 ? 0 : (int)v;
+    }
+    for (int s = 0; s < NS; s += 2) {
+      if (valid[s] == 0 && valid[s + 1] == 0) continue;
+      for (int64_t m0 = 0; m0 < M; m0 += 3) {
+        int64_t r = M - m0 < 3 ? M - m0 : 3;
+        PAIRS[r](x + m0 * K, K, w[s], w[s + 1], K, y + m0 * N + col[s], y + m0 * N + col[s + 1], N,
+                 valid[s], valid[s + 1]);
+      }
+    }
+  }
+}
+"""
+
 
 def _cache_dir() -> str:
     root = os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
     return os.path.join(root, "kernels")
 
 
-def _cpu_has_avx512() -> bool:
+def _cpu_isa() -> str | None:
+    """'avx512' or 'avx2' (with FMA), the kernel this CPU runs; None: neither (torch's matmul then)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
-        return False
-    return "avx512f" in flags.split()
+        return None
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags and "fma" in flags else None
 
 
 @functools.cache
 def _kernel():
     """The compiled specpd_gemm_packed, or None where it cannot be built or run."""
-    if os.environ.get("SPECPD_CPU_GEMM", "1") == "0" or not _cpu_has_avx512():
+    isa = os.environ.get("SPECPD_CPU_GEMM_ISA") or _cpu_isa()  # the override: tests of the AVX2 path
+    if os.environ.get("SPECPD_CPU_GEMM", "1") == "0" or isa not in ("avx512", "avx2"):
         return None
+    source, flags = (_SOURCE, ["-mavx512f", "-mfma"]) if isa == "avx512" else (_SOURCE_AVX2, ["-mavx2", "-mfma"])
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source.encode()).hexdigest()[:12]
     path = os.path.join(_cache_dir(), f"cpu_gemm-{digest}.so")
     if not os.path.isfile(path):
         try:
@@ -127,8 +197,8 @@ def _kernel():
             with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
                 src, out = os.path.join(tmp, "cpu_gemm.c"), os.path.join(tmp, "cpu_gemm.so")
                 with open(src, "w", encoding="utf-8") as f:
-                    f.write(_SOURCE)
-                subprocess.run([cc, "-O3", "-mavx512f", "-mfma", "-shared", "-fPIC", "-o", out, src],
+                    f.write(source)
+                subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", "-o", out, src],
                                check=True, capture_output=True, timeout=120)
                 os.replace(out, path)  # atomic: concurrent builders see the whole file or none
         except (OSError, subprocess.SubprocessError):

@@ -12,10 +12,11 @@ are re-read from L2 by each block). M = 1 stays
 on MKL's gemv, which streams [K, N] as fast.
 
 The reference is `x @ w_t` (matmul_ref); results are allclose, not bit-identical (the sum order over
-K differs from MKL's). The kernel is C with AVX-512 intrinsics, compiled on first use with the system
+K differs from MKL's). The kernel is C with AVX-512 intrinsics (or AVX2 + FMA where the CPU has no
+AVX-512: `_SOURCE_AVX2`, the same layout), compiled on first use with the system
 C compiler into $SPECPD_CACHE (default ~/.cache/specpd)/kernels/ and called through ctypes (which
 releases the GIL). It is single-threaded: `few_row_matmul` takes it only when torch runs one thread
-(the CPU serving setting, --num-threads 1); without a compiler, without AVX-512, or with
+(the CPU serving setting, --num-threads 1); without a compiler, without AVX-512 or AVX2, or with
 SPECPD_CPU_GEMM=0 everything falls back to torch.
 """
 from __future__ import annotations
@@ -181,9 +182,17 @@ def _cpu_isa() -> str | None:
 
 @functools.cache
 def _kernel():
-    """The compiled specpd_gemm_packed, or None where it cannot be built or run."""
-    isa = os.environ.get("SPECPD_CPU_GEMM_ISA") or _cpu_isa()  # the override: tests of the AVX2 path
-    if os.environ.get("SPECPD_CPU_GEMM", "1") == "0" or isa not in ("avx512", "avx2"):
+    """The compiled specpd_gemm_packed for this CPU, or None where it cannot be built or run."""
+    if os.environ.get("SPECPD_CPU_GEMM", "1") == "0":
+        return None
+    return build(os.environ.get("SPECPD_CPU_GEMM_ISA") or _cpu_isa())
+
+
+@functools.cache
+def build(isa: str | None):
+    """The kernel for `isa` ('avx512' or 'avx2'), compiled once; None without a compiler or for another isa
+    (the caller checks the CPU runs it: tests build both where the CPU has AVX-512)."""
+    if isa not in ("avx512", "avx2"):
         return None
     source, flags = (_SOURCE, ["-mavx512f", "-mfma"]) if isa == "avx512" else (_SOURCE_AVX2, ["-mavx2", "-mfma"])
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -223,14 +232,14 @@ def pack_weight(weight_t: torch.Tensor) -> torch.Tensor:
     return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
 
 
-def packed_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] fp32 (any M) @ the packed weight -> [M, n]. Needs available()."""
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, kernel=None) -> torch.Tensor:
+    """x [M, K] fp32 (any M) @ the packed weight -> [M, n]. Needs available() (or `kernel`, from build)."""
     x = x.contiguous()
     m, k = x.shape
     if packed.shape[1] != k or packed.shape[0] * PANEL < n or x.dtype != torch.float32:
         raise ValueError(f"packed_matmul: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} for n={n}")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    _kernel()(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
+    (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
     return y
 
 

@@ -47,7 +47,9 @@ DRAFT_SCALE_RANGE = (0.5, 8.0)
 
 
 class PiecewiseLinear:
-    """y(x) through measured points (x ascending), linear beyond the last two."""
+    """y(x) through measured points (x ascending), non-decreasing (more rows never cost less); beyond the
+    last point, linear at the mean slope of the upper half (the last two points of a dense table are one
+    row apart, and one noisy refinement there would set the slope of everything past the table)."""
 
     def __init__(self, points: dict[int, float]):
         if not points:
@@ -59,6 +61,10 @@ class PiecewiseLinear:
         xs, ys = self.xs, self.ys
         if len(xs) == 1:
             return ys[0] * max(x, 1) / max(xs[0], 1)
+        if x > xs[-1]:
+            mid = self(xs[0] + (xs[-1] - xs[0]) / 2)
+            slope = max(0.0, (ys[-1] - mid) / ((xs[-1] - xs[0]) / 2))
+            return ys[-1] + slope * (x - xs[-1])
         i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
@@ -68,7 +74,12 @@ class PiecewiseLinear:
         i = min(range(len(self.xs)), key=lambda j: abs(math.log(max(self.xs[j], 1)) - math.log(max(x, 1))))
         pred = self(x)
         if pred > 0 and y > 0:
-            self.ys[i] *= math.exp(rate * math.log(y / pred))
+            ys = self.ys
+            ys[i] *= math.exp(rate * math.log(y / pred))
+            for j in range(i + 1, len(ys)):  # keep the table non-decreasing around the moved point
+                ys[j] = max(ys[j], ys[i])
+            for j in range(i):
+                ys[j] = min(ys[j], ys[i])
 
 
 class CostModel:

@@ -154,6 +154,23 @@ def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     assert probes < 16 * 400 / PROBE_MIN / 4  # far fewer than the per-request schedules alone
 
 
+def test_the_cost_table_stays_non_decreasing_and_extrapolates_from_its_upper_half():
+    """A dense table (one point per row count, as the calibration builds it) refined online: a noisy high
+    reading at 63 rows must not make 64 rows cheaper than 63, nor set the slope past the table — a round
+    over 96 rows was once priced at 8 ms, an eighth of a plain step at batch 8, and speculated on."""
+    from specpd.engine.spec_policy import PiecewiseLinear
+    table = PiecewiseLinear({r: (40 + 3 * r) * MS for r in range(1, 65)})
+    assert table(96) == pytest.approx((40 + 3 * 96) * MS)
+    for _ in range(30):
+        table.refine(63, 0.6, 0.1)  # a reading far above the table
+    assert all(a <= b for a, b in zip(table.ys, table.ys[1:]))
+    assert table(64) >= table(63) and table(96) >= table(64)
+    for _ in range(30):
+        table.refine(10, 0.001, 0.1)  # far below: the points before it come down with it, never above
+    assert all(a <= b for a, b in zip(table.ys, table.ys[1:]))
+    assert table(96) >= table(64)
+
+
 def test_deferred_catch_up_counts_against_speculating():
     """A request whose draft extend is far behind pays a long catch-up to speculate: a marginal depth that
     pays with nothing deferred does not with 200 tokens deferred (the draft table grows past 64 rows)."""

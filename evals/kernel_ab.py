@@ -2,11 +2,12 @@
 lockstep (spec_workloads.lockstep_run) of non-spec on torch matmuls, non-spec on the kernel and EAGLE-3
 (defaults) on the kernel, chat prompts, 64 greedy tokens; ratios to non-spec on torch. "off" clears the
 engine's packed weights, so the same process and weights run both paths."""
-import os, sys, json, statistics
+import os, sys, statistics
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 torch.set_num_threads(1)
+from common import machine_info, versions, write_json
 from spec_workloads import chat_prompts, lockstep_run
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
@@ -25,7 +26,7 @@ def mk(s, kernel):
                 m.weight_packed = None
     return e
 print("kernel available", cpu_gemm.available(), cpu_gemm._cpu_isa())
-out = {}
+out = {"meta": {"machine": machine_info(), "versions": versions(), "isa": cpu_gemm._cpu_isa()}}
 prompts = chat_prompts(ckpt.tokenizer, 40)
 params = SamplingParams(max_tokens=64, temperature=0.0)
 for b, reps in ((1, 3), (8, 2)):
@@ -40,5 +41,5 @@ for b, reps in ((1, 3), (8, 2)):
             rat[n].append(r[n]["decode_tok_s"] / r["non_torch"]["decode_tok_s"])
         print(b, rep, {n: round(v[-1], 3) for n, v in rat.items()}, "non_torch tok/s", round(r["non_torch"]["decode_tok_s"], 2), flush=True)
     out[f"b{b}"] = {n: {"median": statistics.median(v), "reps": v} for n, v in rat.items()}
-json.dump(out, open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernel_avx2_ab.json"), "w"), indent=1)
+write_json(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernel_avx2_ab.json"), out)
 print(out)

@@ -185,7 +185,7 @@ def _kernel():
     """The compiled specpd_gemm_packed for this CPU, or None where it cannot be built or run."""
     if os.environ.get("SPECPD_CPU_GEMM", "1") == "0":
         return None
-    return build(os.environ.get("SPECPD_CPU_GEMM_ISA") or _cpu_isa())
+    return build(_cpu_isa())
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Few-row fp32 GEMM for CPU: y [M, N] = x [M, K] @ W, for the 2..MAX_ROWS rows of verify and batched decode.
+"""Few-row fp32 GEMM for CPU: y [M, N] = x [M, K] @ W, for the 1..MAX_ROWS rows of decode, verify and batched decode.
 
 Why: a forward over M = 2..16 rows should cost what reading the weights costs, as M = 1 does. MKL's
 sgemm does not get there: on SmolLM2-135M (1 thread, AVX-512) a T = 8 row verify spent 1.6x the
@@ -8,12 +8,12 @@ the weight on every call. This kernel reads a weight packed once at load time in
 sequential streams, each prefetched 2 KiB ahead: one stream alone left ~15% of the bandwidth unused),
 and keeps every row's accumulators of those panels in registers (one block of up to 8 rows, or blocks
 of 6 beyond that), so the weight streams from memory once whatever M is (for 9..64 rows the panels
-are re-read from L2 by each block). M = 1 stays
-on MKL's gemv, which streams [K, N] as fast.
+are re-read from L2 by each block). With AVX-512, M = 1 stays on MKL's gemv, which streams [K, N] as fast.
 
 The reference is `x @ w_t` (matmul_ref); results are allclose, not bit-identical (the sum order over
 K differs from MKL's). The kernel is C with AVX-512 intrinsics (or AVX2 + FMA where the CPU has no
-AVX-512: `_SOURCE_AVX2`, the same layout), compiled on first use with the system
+AVX-512: `_SOURCE_AVX2`, one-ymm panels read as 4, 3 or 2 streams by row count, M = 1 included: see
+there), compiled on first use with the system
 C compiler into $SPECPD_CACHE (default ~/.cache/specpd)/kernels/ and called through ctypes (which
 releases the GIL). It is single-threaded: `few_row_matmul` takes it only when torch runs one thread
 (the CPU serving setting, --num-threads 1); without a compiler, without AVX-512 or AVX2, or with
@@ -33,8 +33,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-PANEL = 16  # columns per packed panel (one zmm)
-STREAMS = 4  # panels the kernel reads at once; the panel count is padded to a multiple of it
+# isa -> (columns per packed panel, what the panel count is padded to a multiple of): AVX-512 one zmm and
+# 4 streams; AVX2 one ymm and 4, 3 or 2 streams
+LAYOUT = {"avx512": (16, 4), "avx2": (8, 12)}
 MAX_ROWS = 64  # up to here it beats MKL (b8 verify T=8 is 64 rows); longer prefill chunks go to MKL
 
 _SOURCE = r"""
@@ -97,68 +98,85 @@ void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, i
 }
 """
 
-# The same kernel for CPUs with AVX2 + FMA and no AVX-512 (e.g. AMD EPYC before Zen 4): the same packed
-# layout, a panel is two ymm. 16 ymm do not hold four panels' accumulators for several rows, so each step
-# runs the four streams as two pairs and the rows in blocks of up to 3 (12 accumulators + 4 weight
-# vectors + the broadcast); a block re-reads its two panels from L1/L2, the weight streams from memory once.
+# The kernel for CPUs with AVX2 + FMA and no AVX-512 (e.g. AMD EPYC before Zen 4). Its panels are one ymm
+# wide, [P, K, 8] with P a multiple of 12, and a call reads S = 4, 3 or 2 of them at once from S places in the
+# weight (S sequential streams): 16 ymm hold S x R accumulators, S weight vectors and the broadcast, so
+# 4 streams take blocks of up to 3 rows, 3 streams 4, 2 streams 6. Measured on SmolLM2's decoder (1 thread,
+# AMD EPYC, 30 layers' matmuls): up to 3 rows the weight read is the cost with 4 streams; 4 rows take 3
+# streams and 5+ rows 2, where one pass of 6 rows stays at the read's cost and more rows split into even
+# blocks. K runs in chunks of KC: a chunk's panels (8 KiB at most) stay in L1 while every row block reads
+# them, and each block issues its share of the prefetches two chunks ahead, so the streams keep flowing
+# while the later blocks compute (one block streaming, the rest idle on memory, cost 1.4x at 8 rows).
+# One row is no special case: this kernel streams a gemv faster than MKL's on that CPU (-15..20%).
 _SOURCE_AVX2 = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#define PW 16
-#define NS 4
-#define PFD 512
-static inline void store16(float* y, __m256 lo, __m256 hi, int valid) {
-  if (valid >= PW) { _mm256_storeu_ps(y, lo); _mm256_storeu_ps(y + 8, hi); return; }
-  float t[PW]; _mm256_storeu_ps(t, lo); _mm256_storeu_ps(t + 8, hi);
-  memcpy(y, t, (size_t)valid * sizeof(float));
-}
-#define DEF_PAIR(R) \
-static void pair_##R(const float* restrict x, int64_t ldx, const float* w0, const float* w1, int64_t K, \
-                     float* y0, float* y1, int64_t ldy, int n0, int n1) { \
-  __m256 a[4][R]; \
-  _Pragma("GCC unroll 4") for (int s = 0; s < 4; s++) \
-    _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) a[s][r] = _mm256_setzero_ps(); \
-  for (int64_t k = 0; k < K; k++) { \
-    _mm_prefetch((const char*)(w0 + k * PW + PFD), _MM_HINT_T0); \
-    _mm_prefetch((const char*)(w1 + k * PW + PFD), _MM_HINT_T0); \
-    __m256 v0 = _mm256_loadu_ps(w0 + k * PW), v1 = _mm256_loadu_ps(w0 + k * PW + 8); \
-    __m256 v2 = _mm256_loadu_ps(w1 + k * PW), v3 = _mm256_loadu_ps(w1 + k * PW + 8); \
-    _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) { \
+#define PW 8        /* columns per packed panel: one ymm */
+#define KC 64       /* k per chunk: a chunk of a panel is 2 KiB */
+#define PFC 2       /* chunks ahead to prefetch */
+#define MAXM 64     /* rows per pass over the weight (the accumulator buffer's) */
+#define DEF_BLOCK(S, R) \
+static void block_##S##_##R(const float* restrict x, int64_t ldx, const float* const* w, int64_t k0, int64_t k1, \
+                            float* restrict acc, int first, int block, int nblocks) { \
+  __m256 a[S][R]; \
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
+    a[s][r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + (r * S + s) * PW); \
+  int64_t next_pf = k0 + 2 * block;  /* a 64-byte line holds 2 k of a panel: blocks take turns per line */ \
+  for (int64_t k = k0; k < k1; k++) { \
+    if (k == next_pf) { \
+      next_pf += 2 * nblocks; \
+      _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
+        _mm_prefetch((const char*)(w[s] + (k + PFC * KC) * PW), _MM_HINT_T0); } \
+    __m256 v[S]; \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) v[s] = _mm256_loadu_ps(w[s] + k * PW); \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { \
       __m256 b = _mm256_broadcast_ss(x + r * ldx + k); \
-      a[0][r] = _mm256_fmadd_ps(b, v0, a[0][r]); a[1][r] = _mm256_fmadd_ps(b, v1, a[1][r]); \
-      a[2][r] = _mm256_fmadd_ps(b, v2, a[2][r]); a[3][r] = _mm256_fmadd_ps(b, v3, a[3][r]); } \
+      _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) a[s][r] = _mm256_fmadd_ps(b, v[s], a[s][r]); } \
   } \
-  _Pragma("GCC unroll 3") for (int r = 0; r < R; r++) { \
-    if (n0 > 0) store16(y0 + r * ldy, a[0][r], a[1][r], n0); \
-    if (n1 > 0) store16(y1 + r * ldy, a[2][r], a[3][r], n1); } \
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
+    _mm256_storeu_ps(acc + (r * S + s) * PW, a[s][r]); \
 }
-DEF_PAIR(1) DEF_PAIR(2) DEF_PAIR(3)
-typedef void (*pair_fn)(const float*, int64_t, const float*, const float*, int64_t, float*, float*, int64_t, int, int);
-static const pair_fn PAIRS[4] = {0, pair_1, pair_2, pair_3};
+DEF_BLOCK(4, 1) DEF_BLOCK(4, 2) DEF_BLOCK(4, 3)
+DEF_BLOCK(3, 1) DEF_BLOCK(3, 2) DEF_BLOCK(3, 3) DEF_BLOCK(3, 4)
+DEF_BLOCK(2, 1) DEF_BLOCK(2, 2) DEF_BLOCK(2, 3) DEF_BLOCK(2, 4) DEF_BLOCK(2, 5) DEF_BLOCK(2, 6)
+typedef void (*block_fn)(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int, int, int);
+static const block_fn BLOCKS[5][7] = {
+  {0}, {0},
+  {0, block_2_1, block_2_2, block_2_3, block_2_4, block_2_5, block_2_6},
+  {0, block_3_1, block_3_2, block_3_3, block_3_4},
+  {0, block_4_1, block_4_2, block_4_3}};
+static const int MAX_BLOCK_ROWS[5] = {0, 0, 6, 4, 3};
 
-void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y) {
-  int64_t per = (N + PW * NS - 1) / (PW * NS);
+/* x [M, K] row-major (M <= MAXM); wp [np, K, 8], np a multiple of 12 (columns past N zero); y [M, N]
+   row-major. Stream s of step p reads panel p + s * np / S. */
+static void gemm_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y, int S) {
+  int64_t np = ((N + PW - 1) / PW + 11) / 12 * 12, per = np / S;
+  float acc[MAXM * 4 * PW] __attribute__((aligned(32)));  /* [M][S][8] partial sums of the step's panels */
+  int64_t nblocks = (M + MAX_BLOCK_ROWS[S] - 1) / MAX_BLOCK_ROWS[S], rows = M / nblocks, extra = M % nblocks;
   for (int64_t p = 0; p < per; p++) {
-    const float* w[NS];
-    int valid[NS];
-    int64_t col[NS];
-    for (int s = 0; s < NS; s++) {
-      int64_t q = p + s * per;
-      int64_t v = N - q * PW;
-      w[s] = wp + q * K * PW;
-      col[s] = v > 0 ? q * PW : 0;
-      valid[s] = v >= PW ? PW : v <= 0 ? 0 : (int)v;
-    }
-    for (int s = 0; s < NS; s += 2) {
-      if (valid[s] == 0 && valid[s + 1] == 0) continue;
-      for (int64_t m0 = 0; m0 < M; m0 += 3) {
-        int64_t r = M - m0 < 3 ? M - m0 : 3;
-        PAIRS[r](x + m0 * K, K, w[s], w[s + 1], K, y + m0 * N + col[s], y + m0 * N + col[s + 1], N,
-                 valid[s], valid[s + 1]);
+    const float* w[4];
+    for (int s = 0; s < S; s++) w[s] = wp + (p + s * per) * K * PW;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      int64_t k1 = k0 + KC < K ? k0 + KC : K, m0 = 0;
+      for (int64_t b = 0; b < nblocks; b++) {  /* even blocks: 8 rows are 4 + 4, not 6 + 2 */
+        int64_t r = rows + (b < extra);
+        BLOCKS[S][r](x + m0 * K, K, w, k0, k1, acc + m0 * S * PW, k0 == 0, (int)b, (int)nblocks);
+        m0 += r;
       }
     }
+    for (int s = 0; s < S; s++) {
+      int64_t col = (p + s * per) * PW, valid = N - col < PW ? N - col : PW;
+      if (valid > 0)
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + col, acc + (m * S + s) * PW, (size_t)valid * sizeof(float));
+    }
   }
+}
+
+void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y) {
+  int S = M <= 3 ? 4 : M == 4 ? 3 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += MAXM)
+    gemm_rows(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, wp, N, y + m0 * N, S);
 }
 """
 
@@ -168,6 +186,7 @@ def _cache_dir() -> str:
     return os.path.join(root, "kernels")
 
 
+@functools.cache
 def _cpu_isa() -> str | None:
     """'avx512' or 'avx2' (with FMA), the kernel this CPU runs; None: neither (torch's matmul then)."""
     try:
@@ -223,20 +242,22 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def pack_weight(weight_t: torch.Tensor) -> torch.Tensor:
-    """[K, N] (the [in, out] weight) -> panels [P, K, 16] fp32, P = ceil(N / 64) * 4, zero-padded columns."""
+def pack_weight(weight_t: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """[K, N] (the [in, out] weight) -> panels [P, K, width] fp32, zero-padded columns, in the layout of
+    `isa`'s kernel (default: this CPU's): width 16 and P a multiple of 4 (AVX-512), 8 and 12 (AVX2)."""
+    width, multiple = LAYOUT[isa or _cpu_isa() or "avx512"]
     k, n = weight_t.shape
-    panels = -(-n // (PANEL * STREAMS)) * STREAMS
-    padded = weight_t.new_zeros(k, panels * PANEL, dtype=torch.float32)
+    panels = -(-n // (width * multiple)) * multiple
+    padded = weight_t.new_zeros(k, panels * width, dtype=torch.float32)
     padded[:, :n] = weight_t
-    return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+    return padded.view(k, panels, width).transpose(0, 1).contiguous()
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, kernel=None) -> torch.Tensor:
     """x [M, K] fp32 (any M) @ the packed weight -> [M, n]. Needs available() (or `kernel`, from build)."""
     x = x.contiguous()
     m, k = x.shape
-    if packed.shape[1] != k or packed.shape[0] * PANEL < n or x.dtype != torch.float32:
+    if packed.shape[1] != k or packed.shape[0] * packed.shape[2] < n or x.dtype != torch.float32:
         raise ValueError(f"packed_matmul: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} for n={n}")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
@@ -248,14 +269,21 @@ def matmul_ref(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return x @ weight_t
 
 
+@functools.cache
+def min_rows() -> int:
+    """The fewest rows the kernel takes: 1 with AVX2 (it streams a gemv faster than MKL's on such a CPU), 2
+    with AVX-512 (MKL's gemv streams [K, N] as fast there)."""
+    return 1 if _cpu_isa() == "avx2" else 2
+
+
 def use_packed(x: torch.Tensor) -> bool:
     """Whether few_row_matmul / linear take the kernel for this input (it has no backward: never under autograd)."""
-    return (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+    return (x.dim() == 2 and min_rows() <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
             and x.device.type == "cpu" and not torch.is_grad_enabled() and torch.get_num_threads() == 1)
 
 
 def few_row_matmul(x: torch.Tensor, weight_t: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N]: the packed kernel for 2..MAX_ROWS fp32 rows, else torch."""
+    """x [M, K] @ weight_t [K, N]: the packed kernel for min_rows()..MAX_ROWS fp32 rows, else torch."""
     if packed is not None and use_packed(x):
         return packed_matmul(x, packed, weight_t.shape[1])
     return x @ weight_t
@@ -268,7 +296,7 @@ _PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight [out, in], bias), through the kernel for 2..MAX_ROWS fp32 rows.
+    """F.linear(x, weight [out, in], bias), through the kernel for min_rows()..MAX_ROWS fp32 rows.
 
     For modules that keep nn.Linear's layout (the draft heads and layers). The packed copy is cached
     per weight tensor and rebuilt when the weight's storage or version changes (an in-place update)."""

@@ -39,18 +39,20 @@ ISAS = [isa for isa in ("avx512", "avx2") if cpu_gemm._cpu_isa() == "avx512" or 
 @pytest.mark.skipif(not ISAS, reason="neither AVX-512 nor AVX2 on this CPU")
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_each_isas_kernel_matches_reference(isa):
-    """Both variants where the CPU runs them (an AVX-512 CPU runs the AVX2 one too): ragged row counts
-    across the row blocks (3 for AVX2, 8 / 6 for AVX-512), a partial last panel, streams left empty."""
+    """Both variants where the CPU runs them (an AVX-512 CPU runs the AVX2 one too), each on its own panel
+    layout: ragged row counts across the row blocks and stream counts (AVX2: 4 streams x 1..3 rows, 3 x 4,
+    2 x blocks of up to 6; AVX-512: 8 / 6), past one pass's 64 rows, K across chunks (64) and not a
+    multiple of them, a partial last panel, streams left empty."""
     if isa not in ISAS:
         pytest.skip(f"this CPU does not run the {isa} kernel")
     kernel = cpu_gemm.build(isa)
     if kernel is None:
         pytest.skip("no C compiler")
     gen = torch.Generator().manual_seed(7)
-    for k, n in [(576, 960), (100, 70), (64, 16), (13, 129)]:
+    for k, n in [(576, 960), (100, 70), (64, 16), (13, 129), (1536, 200)]:
         weight_t = torch.randn(k, n, generator=gen)
-        packed = cpu_gemm.pack_weight(weight_t)
-        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64):
+        packed = cpu_gemm.pack_weight(weight_t, isa)
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 17, 64, 65, 130):
             x = torch.randn(m, k, generator=gen)
             torch.testing.assert_close(cpu_gemm.packed_matmul(x, packed, n, kernel=kernel), x @ weight_t,
                                        atol=1e-4, rtol=1e-4)
@@ -80,7 +82,7 @@ def test_linear_paths_match_f_linear(one_thread, bias):
         for m in (1, 2, 5, 8, 16, 33, 64, 65):
             x = torch.randn(m, 48, generator=gen)
             ref = F.linear(x, lin.weight, lin.bias)
-            assert cpu_gemm.use_packed(x) == (2 <= m <= cpu_gemm.MAX_ROWS)
+            assert cpu_gemm.use_packed(x) == (cpu_gemm.min_rows() <= m <= cpu_gemm.MAX_ROWS)
             torch.testing.assert_close(fast(x), ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(apply_linear(lin, x), ref, atol=1e-4, rtol=1e-4)
 

@@ -6,7 +6,7 @@ expectation, where a_d is the chance the proposal at depth d is accepted once de
 that beats a plain decode step depends on this engine on this machine (a CPU verify over 8 rows costs
 more than a GPU one) and on the batch (large batches are compute-bound). The policy:
   1. `CostModel`: seconds of one target forward by (requests, rows) and of one draft forward by rows,
-     measured at startup (SpecRunner.calibrate) and refined online from every step's timings.
+     measured at startup (spec_calibration.calibrate) and refined online from every step's timings.
   2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
      the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
      own rate one level up (scaled by the engine-wide trend between the levels).

@@ -31,8 +31,8 @@ from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
-from specpd.engine.spec_policy import AdaptivePolicy, CostModel, PiecewiseLinear
-from specpd.kv.allocator import pages_needed
+from specpd.engine.spec_calibration import calibrate
+from specpd.engine.spec_policy import AdaptivePolicy, CostModel
 from specpd.verify.greedy import verify_greedy
 from specpd.verify.rejection import verify_tree
 
@@ -61,7 +61,7 @@ class SpecRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> list[SampledTokens]:
-        runner, policy = self.runner, self.policy
+        policy = self.policy
         items = batch.items
         decode = [it for it in items if it.spec_decode]
         requests = [it.request for it in decode]
@@ -250,72 +250,6 @@ class SpecRunner:
         if extends:
             self.proposer.extend(extends)
 
-    # -- adaptive speculation: the cost model --------------------------------------------------
-    @torch.inference_mode()
-    def calibrate(self, context: int = 128, reps: int = 3) -> CostModel:
-        """Time target forwards by rows (one request, `context` tokens cached) and by requests, and
-        draft forwards by rows, on scratch pages; the pages go back to the allocator."""
-        runner, pool = self.runner, self.runner.kv_pool
-        page_size, alloc = pool.page_size, pool.allocator
-        # use at most half the free pages: shrink the cached context, then the largest row count
-        avail = (alloc.num_free // 2) * page_size
-        batch = 8
-        context = max(1, min(context, avail // (2 * batch) - 1))
-        grid = [g for g in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if context + g <= avail]
-        per_req_pages = pages_needed(context + 2, page_size)
-        big_pages = pages_needed(context + grid[-1], page_size)
-        need = max(big_pages, batch * per_req_pages)
-        if len(grid) < 2 or need > alloc.num_free:
-            raise RuntimeError(f"adaptive speculation needs more free KV pages ({alloc.num_free} free) to "
-                               f"measure its cost model")
-        pages = alloc.alloc(need)
-        vocab = runner.model_config.vocab_size
-        try:
-            def timed(fn) -> float:
-                fn()  # warm-up
-                best = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    best = min(best, time.perf_counter() - t0)
-                return best
-
-            def target(rows: int, requests: int) -> float:
-                q = [rows] * requests
-                kv = [context + rows] * requests
-                lists = [pages[:big_pages]] if requests == 1 else \
-                    [pages[i * per_req_pages:(i + 1) * per_req_pages] for i in range(requests)]
-                n = rows * requests
-                ids = [(7 * i) % vocab for i in range(n)]
-                pos = [context + (i % rows) for i in range(n)]
-                return timed(lambda: self._target_forward(ids, pos, q, kv, lists, [None] * requests,
-                                                          list(range(n))))
-
-            target(grid[-1], 1)  # first-call costs out of the table
-            target_rows = _monotone(_with_matmul_steps(runner.model, {r: target(r, 1) for r in grid}, timed))
-            per_request = max(0.0, (target(1, batch) - target_rows[min(batch, grid[-1])]) / (batch - 1))
-            # `batch` requests of 2 rows each against the table's price for their rows (CostModel.tree_factor)
-            tree_rows = min(2 * batch, grid[-1])
-            modelled = target_rows[tree_rows] - target_rows[batch] if tree_rows in target_rows else 0.0
-            tree_factor = 1.0
-            if modelled > 0:
-                tree_factor = min(4.0, max(1.0, (target(2, batch) - target(1, batch)) / modelled))
-            draft_rows = None
-            if isinstance(self.proposer, (EagleProposer, HybridProposer)):
-                model = self.proposer if isinstance(self.proposer, EagleProposer) else self.proposer.model
-                draft_rows = {}
-                hid = model.draft.config.hidden_size
-                for r in [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= grid[-1]]:
-                    ids = [(7 * i) % vocab for i in range(r)]
-                    pos = [context + i for i in range(r)]
-                    hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
-                    draft_rows[r] = timed(lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r],
-                                                                         [pages[:big_pages]], step=1), step=1))
-                draft_rows = _monotone(draft_rows)
-        finally:
-            alloc.free(pages)
-        return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor)
-
     # -- per item ---------------------------------------------------------------------------
     def _row(self, it: ScheduledItem, extra_output: list[int], suppress) -> SamplingRow:
         req = it.request
@@ -394,44 +328,11 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
     spec_runner = SpecRunner(runner, proposer)
     if spec.spec_adaptive:
         frozen = frozen_policy or spec.spec_adaptive_pinned
-        cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else spec_runner.calibrate()
+        cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else calibrate(spec_runner)
         cost.frozen = frozen
         spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
                                             shadow=proposer.needs_hidden)
     return spec_runner
-
-
-def _with_matmul_steps(model, table: dict[int, float], timed) -> dict[int, float]:
-    """The target's cost at every row count up to the table's last, where the packed CPU kernel runs the
-    decoder's matmuls: its cost steps where a row block starts (8 -> 9 rows costs what 9 -> 16 does) and a
-    sparse grid's interpolation misses the steps, which is what speculating at batch 8 pays. Each count's
-    value: the forward's interpolation plus how far the matmuls at that count (one decoder layer's, timed,
-    times the layer count) lie from their own interpolation over the same grid."""
-    from specpd.kernels import cpu_gemm
-    from specpd.model.llama import MatmulLinear
-    layer = model.layers[0]
-    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    if not all(isinstance(m, MatmulLinear) and m.weight_packed is not None for m in linears) \
-            or not cpu_gemm.available() or torch.get_num_threads() != 1:
-        return table
-    top = max(table)
-    inputs = {m: m.weight_t.shape[0] for m in linears}
-    matmul = {}
-    for rows in range(1, top + 1):
-        xs = [(m, torch.randn(rows, k)) for m, k in inputs.items()]
-        matmul[rows] = len(model.layers) * timed(lambda: [m(x) for m, x in xs])
-    grid = PiecewiseLinear({r: matmul[r] for r in table})
-    forward = PiecewiseLinear(table)
-    return {r: forward(r) + matmul[r] - grid(r) for r in range(1, top + 1)}
-
-
-def _monotone(table: dict[int, float]) -> dict[int, float]:
-    """More rows never cost less: a noisy high reading at few rows is cut to the cheapest after it."""
-    out, low = {}, float("inf")
-    for rows in sorted(table, reverse=True):
-        low = min(low, table[rows])
-        out[rows] = low
-    return dict(sorted(out.items()))
 
 
 def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:

@@ -1,0 +1,132 @@
+"""The adaptive policy's cost model, measured at startup on this machine (CostModel, spec_policy.py).
+
+1. Target forwards over 1..64 rows of one request (`context` tokens cached), LM head on every row: the
+   grid's points are timed in passes, every point once per pass, so the box's drift between passes falls on
+   every point alike; each point keeps its fastest pass. Where the packed CPU kernel runs the decoder's
+   matmuls, the table is completed at every row count from the matmuls timed there (`with_matmul_steps`).
+2. The same over `batch` requests: one row each (the per-request cost) and two rows each (`tree_factor`:
+   padded multi-row attention with tree masks, which one request's rows do not show).
+3. Draft forwards (+ head, softmax, top-k) by rows, for drafters with a model.
+Scratch pages come from the engine's allocator and go back to it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specpd.engine.spec_policy import CostModel
+from specpd.kv.allocator import pages_needed
+
+TARGET_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
+BATCH = 8
+
+
+def fastest(fns: dict, passes: int) -> dict:
+    """key -> the fastest of `passes` timed calls of fns[key], the keys interleaved in every pass (after one
+    warm-up call each)."""
+    for fn in fns.values():
+        fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(passes):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
+    """Time target forwards by rows and by requests, and draft forwards by rows (module docstring)."""
+    from specpd.draft.eagle_proposer import EagleProposer
+    from specpd.draft.hybrid import HybridProposer
+    runner, pool = spec_runner.runner, spec_runner.runner.kv_pool
+    page_size, alloc = pool.page_size, pool.allocator
+    # use at most half the free pages: shrink the cached context, then the largest row count
+    avail = (alloc.num_free // 2) * page_size
+    context = max(1, min(context, avail // (2 * BATCH) - 1))
+    grid = [g for g in TARGET_GRID if context + g <= avail]
+    per_req_pages = pages_needed(context + 2, page_size)
+    big_pages = pages_needed(context + grid[-1], page_size)
+    need = max(big_pages, BATCH * per_req_pages)
+    if len(grid) < 2 or need > alloc.num_free:
+        raise RuntimeError(f"adaptive speculation needs more free KV pages ({alloc.num_free} free) to "
+                           f"measure its cost model")
+    pages = alloc.alloc(need)
+    vocab = runner.model_config.vocab_size
+    try:
+        def target(rows: int, requests: int):
+            q = [rows] * requests
+            kv = [context + rows] * requests
+            lists = [pages[:big_pages]] if requests == 1 else \
+                [pages[i * per_req_pages:(i + 1) * per_req_pages] for i in range(requests)]
+            n = rows * requests
+            ids = [(7 * i) % vocab for i in range(n)]
+            pos = [context + (i % rows) for i in range(n)]
+            return lambda: spec_runner._target_forward(ids, pos, q, kv, lists, [None] * requests, list(range(n)))
+
+        target(grid[-1], 1)()  # first-call costs out of the table
+        fns = {("rows", r): target(r, 1) for r in grid}
+        fns[("batch", 1)], fns[("batch", 2)] = target(1, BATCH), target(2, BATCH)
+        t = fastest(fns, passes)
+        target_rows = monotone(with_matmul_steps(runner.model, {r: t["rows", r] for r in grid}, passes))
+        per_request = max(0.0, (t["batch", 1] - target_rows[min(BATCH, grid[-1])]) / (BATCH - 1))
+        # BATCH requests of 2 rows each against the table's price for their rows (CostModel.tree_factor)
+        tree_rows = min(2 * BATCH, grid[-1])
+        modelled = target_rows[tree_rows] - target_rows[BATCH] if tree_rows in target_rows else 0.0
+        tree_factor = 1.0
+        if modelled > 0:
+            tree_factor = min(4.0, max(1.0, (t["batch", 2] - t["batch", 1]) / modelled))
+        draft_rows = None
+        proposer = spec_runner.proposer
+        if isinstance(proposer, (EagleProposer, HybridProposer)):
+            model = proposer if isinstance(proposer, EagleProposer) else proposer.model
+            hid = model.draft.config.hidden_size
+
+            def draft(r: int):
+                ids = [(7 * i) % vocab for i in range(r)]
+                pos = [context + i for i in range(r)]
+                hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
+                return lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r], [pages[:big_pages]],
+                                                      step=1), step=1)
+            draft_rows = monotone(fastest({r: draft(r) for r in DRAFT_GRID if r <= grid[-1]}, passes))
+    finally:
+        alloc.free(pages)
+    return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor)
+
+
+def with_matmul_steps(model, table: dict[int, float], passes: int) -> dict[int, float]:
+    """The target's cost at every row count up to the table's last, where the packed CPU kernel runs the
+    decoder's matmuls: its cost steps where a row block or its stream count changes, and a sparse grid's
+    interpolation misses the steps, which is what speculating at batch 8 pays. Each count's value: the
+    forward's interpolation plus how far the matmuls at that count (one decoder layer's, timed, times the
+    layer count) lie from their own interpolation over the same grid."""
+    from specpd.engine.spec_policy import PiecewiseLinear
+    from specpd.kernels import cpu_gemm
+    from specpd.model.llama import MatmulLinear
+    layer = model.layers[0]
+    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    if not all(isinstance(m, MatmulLinear) and m.weight_packed is not None for m in linears) \
+            or not cpu_gemm.available() or torch.get_num_threads() != 1:
+        return table
+    top = max(table)
+
+    def layer_matmuls(rows: int):
+        xs = [(m, torch.randn(rows, m.weight_t.shape[0])) for m in linears]
+        return lambda: [m(x) for m, x in xs]
+    t = fastest({r: layer_matmuls(r) for r in range(1, top + 1)}, passes)
+    matmul = {r: len(model.layers) * s for r, s in t.items()}
+    grid = PiecewiseLinear({r: matmul[r] for r in table})
+    forward = PiecewiseLinear(table)
+    return {r: forward(r) + matmul[r] - grid(r) for r in range(1, top + 1)}
+
+
+def monotone(table: dict[int, float]) -> dict[int, float]:
+    """More rows never cost less: a noisy high reading at few rows is cut to the cheapest after it."""
+    out, low = {}, float("inf")
+    for rows in sorted(table, reverse=True):
+        low = min(low, table[rows])
+        out[rows] = low
+    return dict(sorted(out.items()))

@@ -23,7 +23,7 @@ and keeps the pages until P's TransferDone / TransferFailed / AbortAck says noth
 `abort_timeout_s` passed with no answer (P is dead; a frozen P could still write: DESIGN.md §6).
 Timeouts (the client gets an error at once, then the pages follow the abort rule above): waiting for
 prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) and waiting for the transfer
-(`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`) pings
+(`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`, control.py) pings
 every P that owes it rooms each HEARTBEAT_INTERVAL_S and stamps every message from P on its own clock, so
 D's own long engine step never reads as P's silence. P's control thread answers with its load: a busy P
 answers, and only the prefill / transfer timeouts bound its rooms. A P silent for `heartbeat_timeout_s`
@@ -32,27 +32,23 @@ restarted), the process is gone and the rooms' pages are freed at once.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 
-import zmq
-
 from specpd.core import InvalidRequest, SamplingParams, TokenLogprob
 from specpd.disagg.bootstrap import BootstrapUnreachable, Route, fetch_route
-from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, PeerConfig, TargetFeatures, TransferDone, TransferFailed,
-                                    check_compatible, encode)
+from specpd.disagg.control import HEARTBEAT_INTERVAL_S, DecodeControl
+from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, KVDestination,
+                                    PeerConfig, TargetFeatures, TransferDone, TransferFailed, check_compatible)
 from specpd.disagg.timeline import between, describe
-from specpd.disagg.worker import CONTROL_TICK_S, BootstrapInfo, ControlThread, DisaggWorker
+from specpd.disagg.worker import BootstrapInfo, DisaggWorker
 from specpd.draft.proposer import DraftState
 from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms (at least 4 per heartbeat timeout); P answers each
 # a cached route to P is trusted this long after P last spoke (or was asked): a restarted P (Python, torch, the
 # model) takes longer than this to answer again, and a P that owes rooms is heard at every heartbeat
 ROUTE_TRUST_S = 2 * HEARTBEAT_INTERVAL_S
@@ -67,86 +63,6 @@ def _prefill_gone(info: BootstrapInfo, endpoint: str, timeout_s: float = 1.0) ->
         return True
     except OSError as e:
         return isinstance(getattr(e, "reason", None), ConnectionRefusedError)
-
-
-class DecodeControl(ControlThread):
-    """D's control thread: one DEALER per P (created on the first message to it), the heartbeats, and the
-    time every message from a P arrived (`heard`), on a clock no engine step stalls."""
-
-    def __init__(self, worker: "DecodeWorker"):
-        super().__init__(worker.ctx, "specpd-decode-control")
-        self.name = worker.name
-        self.interval_s = min(HEARTBEAT_INTERVAL_S, worker.heartbeat_timeout_s / 4)
-        self.sockets: dict[bytes, zmq.Socket] = {}  # P's control endpoint -> DEALER (control thread only)
-        self.heard: dict[str, float] = {}  # P's endpoint -> monotonic arrival of its last message
-        self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
-        self.owing: frozenset[str] = frozenset()  # endpoints of Ps that owe us rooms (set by the engine thread)
-        self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
-        self._pinged: dict[str, float] = {}
-        self._sent: dict[int, float] = {}  # heartbeat seq -> monotonic send time
-        self._seq = 0
-
-    def _peer_sockets(self):
-        return [(sock, endpoint) for endpoint, sock in self.sockets.items()]
-
-    def _socket(self, endpoint: bytes) -> zmq.Socket:
-        sock = self.sockets.get(endpoint)
-        if sock is None:
-            sock = self.sockets[endpoint] = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint.decode())
-            self.poller.register(sock, zmq.POLLIN)
-        return sock
-
-    def _on_peer(self, sock, endpoint: bytes, msg, arrived_at: float) -> None:
-        name = endpoint.decode()
-        self.heard[name] = arrived_at
-        if isinstance(msg, Heartbeat):
-            sent = self._sent.pop(msg.seq, None)
-            if sent is not None:
-                self.rtt_s.append(arrived_at - sent)
-            self.load[name] = msg
-            return
-        self._queue(name, msg, arrived_at)
-
-    def _deliver(self, endpoint: bytes, frames: list, end_room: int | None) -> None:
-        try:
-            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # P stopped reading (or never connected): the heartbeat rule decides
-            logger.warning("prefill server %s is not reading its control socket: message dropped", endpoint)
-
-    def _on_command(self, frames: list[bytes]) -> None:
-        if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
-            sock = self.sockets.pop(frames[1], None)
-            if sock is not None:
-                self.poller.unregister(sock)
-                sock.close(0)
-            self._pinged.pop(frames[1].decode(), None)
-
-    def _tick(self, now: float) -> None:
-        for endpoint in self.owing:
-            if now - self._pinged.get(endpoint, 0.0) < self.interval_s:
-                continue
-            self._seq += 1
-            self._pinged[endpoint] = now
-            self._sent[self._seq] = now
-            if len(self._sent) > 10000:  # pings a dead P never answered
-                self._sent = dict(list(self._sent.items())[-1000:])
-            self._deliver(endpoint.encode(), encode(Heartbeat(self.name, self._seq, time.time())), None)
-
-    def _wait_s(self) -> float:
-        return min(CONTROL_TICK_S, self.interval_s)
-
-    def _close_sockets(self) -> None:
-        for sock in self.sockets.values():
-            sock.close(0)
-
-    def rtt_ms(self) -> dict:
-        rtts = sorted(self.rtt_s)
-        if not rtts:
-            return {}
-        pick = lambda q: round(1000 * rtts[min(len(rtts) - 1, int(q * len(rtts)))], 3)  # noqa: E731
-        return {"p50": pick(0.5), "p99": pick(0.99), "max": round(1000 * rtts[-1], 3), "count": len(rtts)}
 
 
 @dataclass

@@ -35,11 +35,8 @@ A request's life on P, keyed by its `bootstrap_room`:
 A room is unique on P: a second request or a second D's DecodeRegister for a room in use is refused
 (HTTP 400 / TransferFailed to that D) and the first owner goes on. A room no D claims within
 `bootstrap_timeout_s` fails.
-Control thread (`PrefillControl`, worker.py): it owns the ROUTER socket and answers D's heartbeats at once
-with P's load ("busy with N rooms queued"), however long the engine's step (and not at all once the engine
-thread died); it refuses a DecodeRegister
-with a mismatched config or for a room another D owns (it tracks each room's owner until the engine thread
-sends the room's last message); everything else waits for the engine thread in its inbox.
+Control thread (`PrefillControl`, control.py): the ROUTER socket, heartbeats answered with P's load, room
+ownership; everything else reaches the engine thread through its inbox.
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
 there unless it streamed pages already; a room in flight (or streaming) finishes its transfer first (D owns
 the destination pages).
@@ -52,16 +49,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from specpd.core import InvalidRequest, RequestOutput, RequestStatus, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
-from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, Heartbeat,
-                                    KVDestination, TargetFeatures, TransferDone, TransferFailed, check_compatible,
-                                    encode)
+from specpd.disagg.control import PrefillControl
+from specpd.disagg.messages import (Abort, AbortAck, DecodeRegister, HandoffRecord, KVDestination, TargetFeatures,
+                                    TransferDone, TransferFailed)
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.transfer import TransferStatus
-from specpd.disagg.worker import BootstrapInfo, ControlThread, DisaggWorker
+from specpd.disagg.worker import BootstrapInfo, DisaggWorker
 from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)
@@ -96,71 +92,6 @@ _P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued",
              ("p_queue", "admitted", "prefill_start"), ("p_prefill", "prefill_start", "prefill_end"),
              ("p_record", "prefill_end", "record"), ("p_kv_submit", "record", "kv_submitted"),
              ("p_kv_write", "kv_submitted", "kv_done"), ("p_total", "received", "kv_done")]
-
-
-class PrefillControl(ControlThread):
-    """P's control thread: the ROUTER socket D's DEALERs talk to (module docstring)."""
-
-    def __init__(self, worker: "PrefillWorker", host: str, advertise_host: str):
-        super().__init__(worker.ctx, "specpd-prefill-control")
-        self.worker = worker
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://{advertise_host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
-        self.poller.register(self.router, zmq.POLLIN)
-        self.owners: dict[int, bytes] = {}  # room -> the identity of the D that registered it first
-        self.heartbeats = 0
-
-    def _peer_sockets(self):
-        return [(self.router, None)]
-
-    def _on_peer(self, sock, identity: bytes, msg, arrived_at: float) -> None:
-        if isinstance(msg, Heartbeat):
-            w = self.worker
-            if w.engine_failed:  # alive process, dead engine: D must see a dead P
-                return
-            started = w.step_started
-            reply = Heartbeat(self.endpoint, msg.seq, time.time(), rooms_queued=w.rooms_queued(),
-                              rooms_inflight=len(w.inflight),
-                              step_s=0.0 if started is None else max(0.0, time.monotonic() - started))
-            self._reply(identity, reply)
-            self.heartbeats += 1
-            return
-        room = getattr(msg, "room", None)
-        owner = self.owners.get(room)
-        if owner is not None and owner != identity:  # another D holds this room: refuse, leave the owner be
-            if isinstance(msg, DecodeRegister):
-                self._reply(identity, TransferFailed(msg.room, f"room {msg.room} is already in use on the "
-                                                               f"prefill server by another decode server"))
-            return
-        if isinstance(msg, DecodeRegister):
-            try:
-                check_compatible(self.worker.peer_config, msg.config)
-            except ConfigMismatch as e:
-                self._reply(identity, TransferFailed(msg.room, str(e)))
-                return
-            self.owners[room] = identity
-        elif isinstance(msg, KVDestination) and owner is None:  # D registers first on the same socket: a stray
-            return
-        self._queue(identity, msg, arrived_at)
-
-    def _reply(self, identity: bytes, msg) -> None:
-        self.router.send_multipart([identity, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
-
-    def _deliver(self, identity: bytes, frames: list, end_room: int | None) -> None:
-        try:
-            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            logger.warning("decode server %r is not reading its control socket: message dropped", identity)
-        if end_room is not None and self.owners.get(end_room) == identity:
-            del self.owners[end_room]
-
-    def _on_command(self, frames: list[bytes]) -> None:
-        if frames[0] == b"forget":  # the engine dropped a room without telling its D
-            self.owners.pop(int(frames[1]), None)
-
-    def _close_sockets(self) -> None:
-        self.router.close(0)
 
 
 class PrefillWorker(DisaggWorker):

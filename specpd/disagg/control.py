@@ -1,0 +1,180 @@
+"""The PD control plane's threads (DESIGN.md §6): the ZMQ sockets between P and D, owned by a thread that
+never waits on the engine, so a long prefill batch or decode step never makes a live peer look dead.
+
+- `PrefillControl` (P): the ROUTER socket D's DEALERs talk to. It answers D's heartbeats at once with P's
+  load (rooms queued / in flight, seconds into the current step), and not at all once P's engine thread
+  died; it refuses a `DecodeRegister` with a mismatched config or for a room another D owns (it tracks each
+  room's owner until the engine thread sends the room's last message); everything else waits for the engine
+  thread in its inbox.
+- `DecodeControl` (D): one DEALER per P, created on the first message to it; pings every P that owes D rooms
+  each HEARTBEAT_INTERVAL_S and stamps every message from a P on its own clock (`heard`), so D's own long
+  engine step never reads as P's silence.
+The engine threads (prefill.py, decode.py) talk to these through ControlThread's inbox and commands
+(worker.py).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from specpd.disagg.messages import (ConfigMismatch, DecodeRegister, Heartbeat, KVDestination, TransferFailed,
+                                    check_compatible, encode)
+from specpd.disagg.worker import CONTROL_TICK_S, ControlThread
+
+if TYPE_CHECKING:
+    from specpd.disagg.decode import DecodeWorker
+    from specpd.disagg.prefill import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms (at least 4 per heartbeat timeout); P answers each
+
+
+class PrefillControl(ControlThread):
+    """P's control thread: the ROUTER socket D's DEALERs talk to (module docstring)."""
+
+    def __init__(self, worker: "PrefillWorker", host: str, advertise_host: str):
+        super().__init__(worker.ctx, "specpd-prefill-control")
+        self.worker = worker
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://{advertise_host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
+        self.poller.register(self.router, zmq.POLLIN)
+        self.owners: dict[int, bytes] = {}  # room -> the identity of the D that registered it first
+        self.heartbeats = 0
+
+    def _peer_sockets(self):
+        return [(self.router, None)]
+
+    def _on_peer(self, sock, identity: bytes, msg, arrived_at: float) -> None:
+        if isinstance(msg, Heartbeat):
+            w = self.worker
+            if w.engine_failed:  # alive process, dead engine: D must see a dead P
+                return
+            started = w.step_started
+            reply = Heartbeat(self.endpoint, msg.seq, time.time(), rooms_queued=w.rooms_queued(),
+                              rooms_inflight=len(w.inflight),
+                              step_s=0.0 if started is None else max(0.0, time.monotonic() - started))
+            self._reply(identity, reply)
+            self.heartbeats += 1
+            return
+        room = getattr(msg, "room", None)
+        owner = self.owners.get(room)
+        if owner is not None and owner != identity:  # another D holds this room: refuse, leave the owner be
+            if isinstance(msg, DecodeRegister):
+                self._reply(identity, TransferFailed(msg.room, f"room {msg.room} is already in use on the "
+                                                               f"prefill server by another decode server"))
+            return
+        if isinstance(msg, DecodeRegister):
+            try:
+                check_compatible(self.worker.peer_config, msg.config)
+            except ConfigMismatch as e:
+                self._reply(identity, TransferFailed(msg.room, str(e)))
+                return
+            self.owners[room] = identity
+        elif isinstance(msg, KVDestination) and owner is None:  # D registers first on the same socket: a stray
+            return
+        self._queue(identity, msg, arrived_at)
+
+    def _reply(self, identity: bytes, msg) -> None:
+        self.router.send_multipart([identity, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+
+    def _deliver(self, identity: bytes, frames: list, end_room: int | None) -> None:
+        try:
+            self.router.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("decode server %r is not reading its control socket: message dropped", identity)
+        if end_room is not None and self.owners.get(end_room) == identity:
+            del self.owners[end_room]
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        if frames[0] == b"forget":  # the engine dropped a room without telling its D
+            self.owners.pop(int(frames[1]), None)
+
+    def _close_sockets(self) -> None:
+        self.router.close(0)
+
+
+
+class DecodeControl(ControlThread):
+    """D's control thread: one DEALER per P (created on the first message to it), the heartbeats, and the
+    time every message from a P arrived (`heard`), on a clock no engine step stalls."""
+
+    def __init__(self, worker: "DecodeWorker"):
+        super().__init__(worker.ctx, "specpd-decode-control")
+        self.name = worker.name
+        self.interval_s = min(HEARTBEAT_INTERVAL_S, worker.heartbeat_timeout_s / 4)
+        self.sockets: dict[bytes, zmq.Socket] = {}  # P's control endpoint -> DEALER (control thread only)
+        self.heard: dict[str, float] = {}  # P's endpoint -> monotonic arrival of its last message
+        self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
+        self.owing: frozenset[str] = frozenset()  # endpoints of Ps that owe us rooms (set by the engine thread)
+        self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
+        self._pinged: dict[str, float] = {}
+        self._sent: dict[int, float] = {}  # heartbeat seq -> monotonic send time
+        self._seq = 0
+
+    def _peer_sockets(self):
+        return [(sock, endpoint) for endpoint, sock in self.sockets.items()]
+
+    def _socket(self, endpoint: bytes) -> zmq.Socket:
+        sock = self.sockets.get(endpoint)
+        if sock is None:
+            sock = self.sockets[endpoint] = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint.decode())
+            self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _on_peer(self, sock, endpoint: bytes, msg, arrived_at: float) -> None:
+        name = endpoint.decode()
+        self.heard[name] = arrived_at
+        if isinstance(msg, Heartbeat):
+            sent = self._sent.pop(msg.seq, None)
+            if sent is not None:
+                self.rtt_s.append(arrived_at - sent)
+            self.load[name] = msg
+            return
+        self._queue(name, msg, arrived_at)
+
+    def _deliver(self, endpoint: bytes, frames: list, end_room: int | None) -> None:
+        try:
+            self._socket(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # P stopped reading (or never connected): the heartbeat rule decides
+            logger.warning("prefill server %s is not reading its control socket: message dropped", endpoint)
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
+            sock = self.sockets.pop(frames[1], None)
+            if sock is not None:
+                self.poller.unregister(sock)
+                sock.close(0)
+            self._pinged.pop(frames[1].decode(), None)
+
+    def _tick(self, now: float) -> None:
+        for endpoint in self.owing:
+            if now - self._pinged.get(endpoint, 0.0) < self.interval_s:
+                continue
+            self._seq += 1
+            self._pinged[endpoint] = now
+            self._sent[self._seq] = now
+            if len(self._sent) > 10000:  # pings a dead P never answered
+                self._sent = dict(list(self._sent.items())[-1000:])
+            self._deliver(endpoint.encode(), encode(Heartbeat(self.name, self._seq, time.time())), None)
+
+    def _wait_s(self) -> float:
+        return min(CONTROL_TICK_S, self.interval_s)
+
+    def _close_sockets(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(0)
+
+    def rtt_ms(self) -> dict:
+        rtts = sorted(self.rtt_s)
+        if not rtts:
+            return {}
+        pick = lambda q: round(1000 * rtts[min(len(rtts) - 1, int(q * len(rtts)))], 3)  # noqa: E731
+        return {"p50": pick(0.5), "p99": pick(0.99), "max": round(1000 * rtts[-1], 3), "count": len(rtts)}

@@ -116,20 +116,24 @@ _SOURCE_AVX2 = r"""
 #define KC 64       /* k per chunk: a chunk of a panel is 2 KiB */
 #define PFC 2       /* chunks ahead to prefetch */
 #define MAXM 64     /* rows per pass over the weight (the accumulator buffer's) */
-#define DEF_BLOCK(S, R) \
-static void block_##S##_##R(const float* restrict x, int64_t ldx, const float* const* w, int64_t k0, int64_t k1, \
-                            float* restrict acc, int first, int block, int nblocks) { \
+/* One block: R rows x S streams of one-ymm panels over k0..k1. T: the weight's element type, LOAD(p): its 8
+   values at p as fp32 (bf16: the 16 bits shifted into the high half, exact). */
+#define DEF_BLOCK(NAME, T, LOAD, S, R) \
+static void NAME##_##S##_##R(const float* restrict x, int64_t ldx, const T* const* w, int64_t k0, int64_t k1, \
+                             float* restrict acc, int first, int block, int nblocks) { \
   __m256 a[S][R]; \
   _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
     a[s][r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + (r * S + s) * PW); \
-  int64_t next_pf = k0 + 2 * block;  /* a 64-byte line holds 2 k of a panel: blocks take turns per line */ \
+  /* blocks take turns per 64-byte line of a panel (2 k of fp32, 4 of bf16) */ \
+  const int64_t line = 64 / (PW * sizeof(T)); \
+  int64_t next_pf = k0 + line * block; \
   for (int64_t k = k0; k < k1; k++) { \
     if (k == next_pf) { \
-      next_pf += 2 * nblocks; \
+      next_pf += line * nblocks; \
       _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
         _mm_prefetch((const char*)(w[s] + (k + PFC * KC) * PW), _MM_HINT_T0); } \
     __m256 v[S]; \
-    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) v[s] = _mm256_loadu_ps(w[s] + k * PW); \
+    _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) v[s] = LOAD(w[s] + k * PW); \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { \
       __m256 b = _mm256_broadcast_ss(x + r * ldx + k); \
       _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) a[s][r] = _mm256_fmadd_ps(b, v[s], a[s][r]); } \
@@ -137,46 +141,60 @@ static void block_##S##_##R(const float* restrict x, int64_t ldx, const float* c
   _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int s = 0; s < S; s++) \
     _mm256_storeu_ps(acc + (r * S + s) * PW, a[s][r]); \
 }
-DEF_BLOCK(4, 1) DEF_BLOCK(4, 2) DEF_BLOCK(4, 3)
-DEF_BLOCK(3, 1) DEF_BLOCK(3, 2) DEF_BLOCK(3, 3) DEF_BLOCK(3, 4)
-DEF_BLOCK(2, 1) DEF_BLOCK(2, 2) DEF_BLOCK(2, 3) DEF_BLOCK(2, 4) DEF_BLOCK(2, 5) DEF_BLOCK(2, 6)
-typedef void (*block_fn)(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int, int, int);
-static const block_fn BLOCKS[5][7] = {
-  {0}, {0},
-  {0, block_2_1, block_2_2, block_2_3, block_2_4, block_2_5, block_2_6},
-  {0, block_3_1, block_3_2, block_3_3, block_3_4},
-  {0, block_4_1, block_4_2, block_4_3}};
-static const int MAX_BLOCK_ROWS[5] = {0, 0, 6, 4, 3};
+#define LOAD_F32(p) _mm256_loadu_ps(p)
+#define LOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
 
 /* x [M, K] row-major (M <= MAXM); wp [np, K, 8], np a multiple of 12 (columns past N zero); y [M, N]
    row-major. Stream s of step p reads panel p + s * np / S. */
-static void gemm_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y, int S) {
-  int64_t np = ((N + PW - 1) / PW + 11) / 12 * 12, per = np / S;
-  float acc[MAXM * 4 * PW] __attribute__((aligned(32)));  /* [M][S][8] partial sums of the step's panels */
-  int64_t nblocks = (M + MAX_BLOCK_ROWS[S] - 1) / MAX_BLOCK_ROWS[S], rows = M / nblocks, extra = M % nblocks;
-  for (int64_t p = 0; p < per; p++) {
-    const float* w[4];
-    for (int s = 0; s < S; s++) w[s] = wp + (p + s * per) * K * PW;
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      int64_t k1 = k0 + KC < K ? k0 + KC : K, m0 = 0;
-      for (int64_t b = 0; b < nblocks; b++) {  /* even blocks: 8 rows are 4 + 4, not 6 + 2 */
-        int64_t r = rows + (b < extra);
-        BLOCKS[S][r](x + m0 * K, K, w, k0, k1, acc + m0 * S * PW, k0 == 0, (int)b, (int)nblocks);
-        m0 += r;
-      }
-    }
-    for (int s = 0; s < S; s++) {
-      int64_t col = (p + s * per) * PW, valid = N - col < PW ? N - col : PW;
-      if (valid > 0)
-        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + col, acc + (m * S + s) * PW, (size_t)valid * sizeof(float));
-    }
-  }
+#define DEF_GEMM(NAME, T, LOAD) \
+DEF_BLOCK(NAME, T, LOAD, 4, 1) DEF_BLOCK(NAME, T, LOAD, 4, 2) DEF_BLOCK(NAME, T, LOAD, 4, 3) \
+DEF_BLOCK(NAME, T, LOAD, 3, 1) DEF_BLOCK(NAME, T, LOAD, 3, 2) DEF_BLOCK(NAME, T, LOAD, 3, 3) DEF_BLOCK(NAME, T, LOAD, 3, 4) \
+DEF_BLOCK(NAME, T, LOAD, 2, 1) DEF_BLOCK(NAME, T, LOAD, 2, 2) DEF_BLOCK(NAME, T, LOAD, 2, 3) \
+DEF_BLOCK(NAME, T, LOAD, 2, 4) DEF_BLOCK(NAME, T, LOAD, 2, 5) DEF_BLOCK(NAME, T, LOAD, 2, 6) \
+typedef void (*NAME##_fn)(const float*, int64_t, const T* const*, int64_t, int64_t, float*, int, int, int); \
+static const NAME##_fn NAME##S[5][7] = { \
+  {0}, {0}, \
+  {0, NAME##_2_1, NAME##_2_2, NAME##_2_3, NAME##_2_4, NAME##_2_5, NAME##_2_6}, \
+  {0, NAME##_3_1, NAME##_3_2, NAME##_3_3, NAME##_3_4}, \
+  {0, NAME##_4_1, NAME##_4_2, NAME##_4_3}}; \
+static void NAME##_rows(const float* x, int64_t M, int64_t K, const T* wp, int64_t N, float* y, int S) { \
+  int64_t np = ((N + PW - 1) / PW + 11) / 12 * 12, per = np / S; \
+  float acc[MAXM * 4 * PW] __attribute__((aligned(32)));  /* [M][S][8] partial sums of the step's panels */ \
+  int64_t nblocks = (M + MAX_BLOCK_ROWS[S] - 1) / MAX_BLOCK_ROWS[S], rows = M / nblocks, extra = M % nblocks; \
+  for (int64_t p = 0; p < per; p++) { \
+    const T* w[4]; \
+    for (int s = 0; s < S; s++) w[s] = wp + (p + s * per) * K * PW; \
+    for (int64_t k0 = 0; k0 < K; k0 += KC) { \
+      int64_t k1 = k0 + KC < K ? k0 + KC : K, m0 = 0; \
+      for (int64_t b = 0; b < nblocks; b++) {  /* even blocks: 8 rows are 4 + 4, not 6 + 2 */ \
+        int64_t r = rows + (b < extra); \
+        NAME##S[S][r](x + m0 * K, K, w, k0, k1, acc + m0 * S * PW, k0 == 0, (int)b, (int)nblocks); \
+        m0 += r; \
+      } \
+    } \
+    for (int s = 0; s < S; s++) { \
+      int64_t col = (p + s * per) * PW, valid = N - col < PW ? N - col : PW; \
+      if (valid > 0) \
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * N + col, acc + (m * S + s) * PW, (size_t)valid * sizeof(float)); \
+    } \
+  } \
 }
+static const int MAX_BLOCK_ROWS[5] = {0, 0, 6, 4, 3};
+DEF_GEMM(f32, float, LOAD_F32)
+DEF_GEMM(bf16, uint16_t, LOAD_BF16)
 
 void specpd_gemm_packed(const float* x, int64_t M, int64_t K, const float* wp, int64_t N, float* y) {
   int S = M <= 3 ? 4 : M == 4 ? 3 : 2;
   for (int64_t m0 = 0; m0 < M; m0 += MAXM)
-    gemm_rows(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, wp, N, y + m0 * N, S);
+    f32_rows(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, wp, N, y + m0 * N, S);
+}
+
+/* The same with a bf16 weight (packed the same way): half the bytes to stream, the same products and sum
+   order as specpd_gemm_packed over that weight in fp32, so the same result bit for bit. */
+void specpd_gemm_packed_bf16(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, float* y) {
+  int S = M <= 3 ? 4 : M == 4 ? 3 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += MAXM)
+    bf16_rows(x + m0 * K, M - m0 < MAXM ? M - m0 : MAXM, K, wp, N, y + m0 * N, S);
 }
 """
 
@@ -208,11 +226,14 @@ def _kernel():
 
 
 @functools.cache
-def build(isa: str | None):
-    """The kernel for `isa` ('avx512' or 'avx2'), compiled once; None without a compiler or for another isa
-    (the caller checks the CPU runs it: tests build both where the CPU has AVX-512)."""
-    if isa not in ("avx512", "avx2"):
-        return None
+def _kernel_bf16():
+    """specpd_gemm_packed_bf16 (a bf16 weight) for this CPU where it has one (the AVX2 source), else None."""
+    return build(_cpu_isa(), bf16=True) if _kernel() is not None else None
+
+
+@functools.cache
+def _library(isa: str):
+    """The compiled source for `isa`, or None without a compiler."""
     source, flags = (_SOURCE, ["-mavx512f", "-mfma"]) if isa == "avx512" else (_SOURCE_AVX2, ["-mavx2", "-mfma"])
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
@@ -231,7 +252,20 @@ def build(isa: str | None):
                 os.replace(out, path)  # atomic: concurrent builders see the whole file or none
         except (OSError, subprocess.SubprocessError):
             return None
-    fn = ctypes.CDLL(path).specpd_gemm_packed
+    return ctypes.CDLL(path)
+
+
+@functools.cache
+def build(isa: str | None, bf16: bool = False):
+    """The kernel for `isa` ('avx512' or 'avx2'), compiled once; None without a compiler or for another isa
+    (the caller checks the CPU runs it: tests build both where the CPU has AVX-512). bf16: the variant over a
+    bf16 weight (AVX2 only; None for AVX-512)."""
+    if isa not in ("avx512", "avx2") or (bf16 and isa != "avx2"):
+        return None
+    lib = _library(isa)
+    if lib is None:
+        return None
+    fn = lib.specpd_gemm_packed_bf16 if bf16 else lib.specpd_gemm_packed
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p]
     fn.restype = None
@@ -242,25 +276,37 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def pack_weight(weight_t: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """[K, N] (the [in, out] weight) -> panels [P, K, width] fp32, zero-padded columns, in the layout of
-    `isa`'s kernel (default: this CPU's): width 16 and P a multiple of 4 (AVX-512), 8 and 12 (AVX2)."""
+def pack_weight(weight_t: torch.Tensor, isa: str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[K, N] (the [in, out] weight) -> panels [P, K, width] in `dtype` (fp32, or bf16 for the AVX2 kernel's
+    bf16 variant), zero-padded columns, in the layout of `isa`'s kernel (default: this CPU's): width 16 and P
+    a multiple of 4 (AVX-512), 8 and 12 (AVX2)."""
     width, multiple = LAYOUT[isa or _cpu_isa() or "avx512"]
     k, n = weight_t.shape
     panels = -(-n // (width * multiple)) * multiple
-    padded = weight_t.new_zeros(k, panels * width, dtype=torch.float32)
+    padded = weight_t.new_zeros(k, panels * width, dtype=dtype)
     padded[:, :n] = weight_t
     return padded.view(k, panels, width).transpose(0, 1).contiguous()
 
 
+def pack_exact(weight_t: torch.Tensor) -> torch.Tensor:
+    """pack_weight for this CPU in bf16 when every value of the weight is a bf16 (a head exported in bf16 and
+    loaded in fp32) and the CPU has the bf16 variant: half the bytes, the same result bit for bit; else fp32."""
+    if _kernel_bf16() is not None and torch.equal(weight_t.to(torch.bfloat16).to(weight_t.dtype), weight_t):
+        return pack_weight(weight_t, dtype=torch.bfloat16)
+    return pack_weight(weight_t)
+
+
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, kernel=None) -> torch.Tensor:
-    """x [M, K] fp32 (any M) @ the packed weight -> [M, n]. Needs available() (or `kernel`, from build)."""
+    """x [M, K] fp32 (any M) @ the packed weight (fp32, or bf16: the bf16 variant) -> [M, n]. Needs
+    available() (or `kernel`, from build)."""
     x = x.contiguous()
     m, k = x.shape
     if packed.shape[1] != k or packed.shape[0] * packed.shape[2] < n or x.dtype != torch.float32:
         raise ValueError(f"packed_matmul: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} for n={n}")
+    if kernel is None:
+        kernel = _kernel_bf16() if packed.dtype == torch.bfloat16 else _kernel()
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    (kernel or _kernel())(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
+    kernel(x.data_ptr(), m, k, packed.data_ptr(), n, y.data_ptr())
     return y
 
 
@@ -307,7 +353,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if entry is None or entry[0]() is not weight or entry[1:3] != (weight.data_ptr(), weight._version):
         if entry is None or entry[0]() is not weight:
             weakref.finalize(weight, _PACKED.pop, key, None)
-        entry = (weakref.ref(weight), weight.data_ptr(), weight._version, pack_weight(weight.detach().t()))
+        entry = (weakref.ref(weight), weight.data_ptr(), weight._version, pack_exact(weight.detach().t()))
         _PACKED[key] = entry
     out = packed_matmul(x, entry[3], weight.shape[0])
     return out if bias is None else out + bias

@@ -94,7 +94,7 @@ class MatmulLinear(nn.Module):
         super().__init__()
         self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
         self.bias = linear.bias
-        self.weight_packed = packed_copy(self.weight_t)  # [panels, in, 16] (cpu_gemm.pack_weight) or None
+        self.weight_packed = packed_copy(self.weight_t)  # [panels, in, width] (cpu_gemm.pack_exact) or None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -126,7 +126,7 @@ def packed_copy(weight_t: torch.Tensor) -> torch.Tensor | None:
     """The cpu_gemm panel layout of an [in, out] fp32 CPU weight, where the kernel runs; else None."""
     if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or not cpu_gemm.available():
         return None
-    return cpu_gemm.pack_weight(weight_t.detach())
+    return cpu_gemm.pack_exact(weight_t.detach())
 
 
 @dataclass

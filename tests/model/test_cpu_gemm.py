@@ -116,3 +116,35 @@ def test_more_threads_fall_back_to_torch():
             assert not cpu_gemm.use_packed(torch.randn(4, 8))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(cpu_gemm.build("avx2", bf16=True) is None or "avx2" not in ISAS,
+                    reason="no AVX2 kernel (or no compiler) on this CPU")
+def test_bf16_weight_variant_is_the_fp32_kernel_bit_for_bit():
+    """A weight whose values are bf16 (a draft head exported in bf16, loaded in fp32), packed in bf16: the same
+    products in the same order as the fp32 kernel over it, so equal bit for bit; ragged rows, K across chunks,
+    a partial last panel."""
+    f32, bf16 = cpu_gemm.build("avx2"), cpu_gemm.build("avx2", bf16=True)
+    gen = torch.Generator().manual_seed(11)
+    for k, n in [(576, 960), (1728, 576), (100, 70), (13, 129)]:
+        weight_t = torch.randn(k, n, generator=gen).to(torch.bfloat16).float()
+        packed32, packed16 = cpu_gemm.pack_weight(weight_t, "avx2"), cpu_gemm.pack_weight(weight_t, "avx2", torch.bfloat16)
+        assert packed16.dtype == torch.bfloat16 and packed16.shape == packed32.shape
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 13, 65):
+            x = torch.randn(m, k, generator=gen)
+            y16 = cpu_gemm.packed_matmul(x, packed16, n, kernel=bf16)
+            assert torch.equal(y16, cpu_gemm.packed_matmul(x, packed32, n, kernel=f32))
+            torch.testing.assert_close(y16, x @ weight_t, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_pack_exact_takes_bf16_only_for_bf16_valued_weights():
+    gen = torch.Generator().manual_seed(12)
+    weight_t = torch.randn(64, 40, generator=gen)
+    assert cpu_gemm.pack_exact(weight_t).dtype == torch.float32  # fp32 values: kept
+    exact = weight_t.to(torch.bfloat16).float()
+    expected = torch.bfloat16 if cpu_gemm._kernel_bf16() is not None else torch.float32
+    assert cpu_gemm.pack_exact(exact).dtype == expected
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(cpu_gemm.packed_matmul(x, cpu_gemm.pack_exact(exact), 40), x @ exact,
+                               atol=1e-5, rtol=1e-5)

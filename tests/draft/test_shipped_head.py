@@ -34,7 +34,7 @@ def smollm2():
     return ckpt, prompt, base.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]
 
 
-# measured on this prompt: eagle3 1.27, mtp 1.27; random heads of either family: 1.0
+# measured on this prompt (pinned policy): eagle3 1.38 (1.27 with the 700k-token head), mtp 1.24; random heads: 1.0
 @pytest.mark.parametrize("family,min_tau", [("eagle3", 1.15), ("mtp", 1.15)])
 def test_the_shipped_head_is_lossless_and_accepts(smollm2, family, min_tau):
     ckpt, prompt, base = smollm2

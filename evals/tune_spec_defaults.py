@@ -2,8 +2,9 @@
 (`python evals/tune_spec_defaults.py` -> evals/results/spec_tuning.json).
 
 For EAGLE-3 and MTP (chat workload) and ngram (grounded workload), batch 1, adaptive on: every
-candidate shape runs interleaved with non-spec, rep by rep; the shape with the best median ratio is the
-default. The reported numbers (evals/spec_workloads.py) use the held-out split, never these prompts.
+candidate shape runs with non-spec on the same prompt in lockstep (spec_workloads.lockstep_run: the engines
+take one step each in turn, each timed by its own steps), prompt by prompt; the shape with the best median
+ratio is the default. The reported numbers (evals/spec_workloads.py) use the held-out split, never these prompts.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 from common import log, machine_info, median, versions, write_json  # noqa: E402
-from spec_workloads import WORKLOADS, timed_run  # noqa: E402
+from spec_workloads import WORKLOADS, lockstep_run  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -23,8 +24,8 @@ from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 
 SHAPES = {  # (steps, topk, tokens)
-    "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 2, 6), (3, 4, 8), (4, 4, 12)],
-    "mtp": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 4, 8)],
+    "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (2, 2, 4), (3, 2, 6), (2, 4, 5), (3, 3, 6), (3, 4, 8), (4, 4, 12)],
+    "mtp": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 2, 6), (2, 4, 5), (3, 4, 8)],
     "ngram": [(4, 1, 5), (8, 1, 9), (12, 1, 13), (6, 2, 12), (8, 3, 16)],
 }
 WORKLOAD = {"eagle3": "chat", "mtp": "chat", "ngram": "grounded"}
@@ -54,9 +55,7 @@ def main() -> None:
         ratios = {n: [] for n in engines if n != "non_spec"}
         for rep in range(args.reps):
             for i, prompt in enumerate(prompts):
-                names = list(engines)
-                names = names[(rep + i) % len(names):] + names[:(rep + i) % len(names)]
-                res = {n: timed_run(engines[n], [prompt], params, f"tune-{alg}-{rep}-{i}-{n}") for n in names}
+                res = lockstep_run(engines, [prompt], params, f"tune-{alg}-{rep}-{i}")
                 for n in ratios:
                     assert res[n]["tokens"] == res["non_spec"]["tokens"], n
                     ratios[n].append(res[n]["decode_tok_s"] / res["non_spec"]["decode_tok_s"])

@@ -99,9 +99,10 @@ MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, noth
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
 # engine (README "Speculation that pays"); adaptive speculation then trims each round per request
-# (evals/tune_spec_defaults.py on training-split prompts -> evals/results/spec_tuning.json; MTP takes the
-# EAGLE-3 shape, its acceptance is the same; eagle (no shipped head) keeps the old chain of 4)
-DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (3, 2, 6), "mtp": (3, 2, 6),
+# (evals/tune_spec_defaults.py on training-split prompts: EAGLE-3 (the 1.4M-token head) and MTP ->
+# evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
+# chain of 4)
+DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "replay": (4, 1, 5)}
 
 

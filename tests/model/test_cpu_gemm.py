@@ -145,6 +145,10 @@ def test_pack_exact_takes_bf16_only_for_bf16_valued_weights():
     exact = weight_t.to(torch.bfloat16).float()
     expected = torch.bfloat16 if cpu_gemm._kernel_bf16() is not None else torch.float32
     assert cpu_gemm.pack_exact(exact).dtype == expected
+    big = torch.randn(96, 80, generator=gen).to(torch.bfloat16).float()  # past the 4096-value sample
+    assert cpu_gemm.pack_exact(big).dtype == expected
+    big[-1, -1] += 1e-3  # one fp32 value, after the sample: the whole weight stays fp32
+    assert cpu_gemm.pack_exact(big).dtype == torch.float32
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(cpu_gemm.packed_matmul(x, cpu_gemm.pack_exact(exact), 40), x @ exact,
                                atol=1e-5, rtol=1e-5)

@@ -6,7 +6,8 @@ expectation, where a_d is the chance the proposal at depth d is accepted once de
 that beats a plain decode step depends on this engine on this machine (a CPU verify over 8 rows costs
 more than a GPU one) and on the batch (large batches are compute-bound). The policy:
   1. `CostModel`: seconds of one target forward by (requests, rows) and of one draft forward by rows,
-     measured at startup (spec_calibration.calibrate) and refined online from every step's timings.
+     measured at startup (spec_calibration.calibrate); online, every decode round's timing moves the
+     table's level (`CostModel.level`), never its slope.
   2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
      the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
      own rate one level up (scaled by the engine-wide trend between the levels).
@@ -49,7 +50,7 @@ DRAFT_SCALE_RANGE = (0.5, 8.0)
 class PiecewiseLinear:
     """y(x) through measured points (x ascending), non-decreasing (more rows never cost less); beyond the
     last point, linear at the mean slope of the upper half (the last two points of a dense table are one
-    row apart, and one noisy refinement there would set the slope of everything past the table)."""
+    row apart, and one noisy reading there would set the slope of everything past the table)."""
 
     def __init__(self, points: dict[int, float]):
         if not points:
@@ -69,18 +70,6 @@ class PiecewiseLinear:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
-    def refine(self, x: float, y: float, rate: float) -> None:
-        """Move the nearest point towards the observation (multiplicatively)."""
-        i = min(range(len(self.xs)), key=lambda j: abs(math.log(max(self.xs[j], 1)) - math.log(max(x, 1))))
-        pred = self(x)
-        if pred > 0 and y > 0:
-            ys = self.ys
-            ys[i] *= math.exp(rate * math.log(y / pred))
-            for j in range(i + 1, len(ys)):  # keep the table non-decreasing around the moved point
-                ys[j] = max(ys[j], ys[i])
-            for j in range(i):
-                ys[j] = min(ys[j], ys[i])
-
 
 class CostModel:
     """target(requests, rows) and draft(rows) in seconds; draft_step_overhead: Python per draft level."""
@@ -95,6 +84,11 @@ class CostModel:
         self.tree_factor = tree_factor
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
+        # seconds per request a decode round's target forward takes beyond the table's price (longer contexts
+        # than the calibration's, the box's drift), learned online: it moves every row count alike, so what a
+        # verify row costs stays the measured slope (moving the observed row count's point alone once made a
+        # batch of 8 see rows 9-23 at one price: verify rows for free)
+        self.level = 0.0
         # measured / predicted seconds of what a speculating round adds outside the target forward
         self.draft_scale = 1.0
         self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
@@ -109,7 +103,7 @@ class CostModel:
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
 
     def target(self, requests: int, rows: int) -> float:
-        return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
+        return self.target_rows(rows) + self.per_request * max(requests - 1, 0) + self.level * requests
 
     def draft(self, rows: int) -> float:
         if rows <= 0 or self.draft_rows is None:
@@ -117,8 +111,13 @@ class CostModel:
         return self.draft_rows(rows) * self.draft_scale
 
     def observe_target(self, requests: int, rows: int, seconds: float) -> None:
-        if not self.frozen:
-            self.target_rows.refine(rows, seconds - self.per_request * max(requests - 1, 0), ONLINE_RATE)
+        """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
+        if self.frozen or requests <= 0:
+            return
+        modelled = self.target_rows(rows) + self.per_request * max(requests - 1, 0)
+        # one reading's pull is bounded (a descheduled round reads several times its cost)
+        per = min(max(seconds - modelled, -0.5 * modelled), modelled) / requests
+        self.level += ONLINE_RATE * (per - self.level)
 
     def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
                       speculating: int = 0) -> None:
@@ -144,7 +143,7 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
-                "per_request": self.per_request, "draft_scale": self.draft_scale, "off_overhead": self.off_overhead,
+                "per_request": self.per_request, "level": self.level, "draft_scale": self.draft_scale, "off_overhead": self.off_overhead,
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
 

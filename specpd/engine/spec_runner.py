@@ -108,7 +108,7 @@ class SpecRunner:
                                                         [it.start + q for it, q in zip(items, q_lens)],
                                                         [it.request.pages for it in items], masks, logit_rows)
         target_s = time.perf_counter() - t0
-        if policy is not None:
+        if policy is not None and len(decode) == len(items):  # a prefill chunk's rows are not a round's
             policy.cost.observe_target(len(items), len(ids), target_s)
         # -- 2. sample / verify ------------------------------------------------------------
         results: list[SampledTokens] = []
@@ -179,7 +179,8 @@ class SpecRunner:
                                                    [it.request.pages for it in items], [None] * len(items), [])
         results = runner.sample_items(items, q_lens, hidden, suppress)
         target_s = time.perf_counter() - t0
-        policy.cost.observe_target(len(items), len(ids), target_s)
+        if all(it.spec_decode for it in items):
+            policy.cost.observe_target(len(items), len(ids), target_s)
         extends, offset, decode_only = [], 0, True
         for it, q, res in zip(items, q_lens, results):
             rid = it.request.request_id

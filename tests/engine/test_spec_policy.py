@@ -154,21 +154,36 @@ def test_probes_stay_within_the_engine_wide_budget_at_large_batches(shadow):
     assert probes < 16 * 400 / PROBE_MIN / 4  # far fewer than the per-request schedules alone
 
 
-def test_the_cost_table_stays_non_decreasing_and_extrapolates_from_its_upper_half():
-    """A dense table (one point per row count, as the calibration builds it) refined online: a noisy high
-    reading at 63 rows must not make 64 rows cheaper than 63, nor set the slope past the table — a round
-    over 96 rows was once priced at 8 ms, an eighth of a plain step at batch 8, and speculated on."""
+def test_the_cost_table_is_non_decreasing_and_extrapolates_from_its_upper_half():
+    """A dense table (one point per row count, as the calibration builds it): a noisy high point at 63 rows
+    must not set the slope past the table — a round over 96 rows was once priced at 8 ms, an eighth of a
+    plain step at batch 8, and speculated on."""
     from specpd.engine.spec_policy import PiecewiseLinear
     table = PiecewiseLinear({r: (40 + 3 * r) * MS for r in range(1, 65)})
     assert table(96) == pytest.approx((40 + 3 * 96) * MS)
-    for _ in range(30):
-        table.refine(63, 0.6, 0.1)  # a reading far above the table
-    assert all(a <= b for a, b in zip(table.ys, table.ys[1:]))
-    assert table(64) >= table(63) and table(96) >= table(64)
-    for _ in range(30):
-        table.refine(10, 0.001, 0.1)  # far below: the points before it come down with it, never above
-    assert all(a <= b for a, b in zip(table.ys, table.ys[1:]))
-    assert table(96) >= table(64)
+    noisy = PiecewiseLinear({**{r: (40 + 3 * r) * MS for r in range(1, 64)}, 63: 0.6, 64: 0.6})
+    assert noisy(96) == pytest.approx(0.6 + (0.6 - noisy(32.5)) / 31.5 * 32)  # the upper half's mean slope
+    assert noisy(96) < 0.6 * 2
+
+
+def test_online_readings_move_the_level_not_what_a_verify_row_costs():
+    """Decode rounds at batch 8 read 40 ms above the table (contexts longer than the calibration's): the
+    model learns that level, and a verify row's price (the table's slope) stays the measured one. Moving the
+    observed row count's point alone, as the model once did, priced rows 9-23 alike at batch 8."""
+    table = {r: (40 + 2.5 * r) * MS for r in range(1, 65)}
+    cost = CostModel(table, per_request=1 * MS, draft_rows={1: 3 * MS, 64: 10 * MS})
+    before = cost.target(8, 16) - cost.target(8, 8)
+    real = cost.target(8, 8) + 40 * MS
+    for _ in range(100):
+        cost.observe_target(8, 8, real)
+    assert cost.target(8, 8) == pytest.approx(real, rel=0.01)
+    assert cost.target(8, 16) - cost.target(8, 8) == pytest.approx(before)
+    assert cost.level == pytest.approx(5 * MS, rel=0.01)
+    cost.observe_target(8, 8, 10.0)  # a descheduled round: its pull is bounded
+    assert cost.target(8, 8) < 1.15 * real
+    frozen = CostModel(table, per_request=1 * MS, draft_rows=None, frozen=True)
+    frozen.observe_target(8, 8, real)
+    assert frozen.level == 0.0
 
 
 def test_deferred_catch_up_counts_against_speculating():

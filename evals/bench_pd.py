@@ -23,6 +23,9 @@ own server's clock, per workload: mean over the workload's requests, p50 / p99 o
 
   python evals/bench_pd.py --draft-model default --algorithm eagle3    # -> evals/results/pd.json
   python evals/bench_pd.py --quick --draft-model DIR                   # smoke -> $TMPDIR
+  python evals/bench_pd.py --configs pd,pd_spec_both,pd_spec_decode_only --rounds 4   # spec vs non-spec TPOT:
+        the configs 4 times in ABBA order, each spec config's TPOT over non-spec's round by round (the box
+        moves PD figures 25-100% within minutes; one config after another cannot settle a 10% difference)
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
+from common import (held_out_sharegpt_prompts, log, machine_info, median, percentile, real_text_prompts,  # noqa: E402
                     transfer_backend, versions, write_json)
 
 import httpx  # noqa: E402
@@ -221,6 +224,9 @@ def main() -> int:
     ap.add_argument("--configs", default="unified,unified_spec,pd,pd_spec_both,pd_spec_decode_only,pd_normal_priority")
     ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
                     help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configs this many times, the order reversed every other round (ABBA); "
+                         "`results` keeps the first round in full, `rounds` every round's TPOT")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -253,9 +259,8 @@ def main() -> int:
                "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"]),
                # the effect of --engine-priority, side by side (the flag's last value wins)
                "pd_normal_priority": ("pd", ["--engine-priority", "normal"])}
-    results, outputs = {}, {}
-    t_start = time.perf_counter()
-    for name in args.configs.split(","):
+
+    def run_config(name: str):
         kind, extra = configs[name]
         log(f"== {name}")
         cm = unified_cluster(base_args + extra) if kind == "unified" else pd_cluster(base_args + extra, args.backend)
@@ -283,8 +288,6 @@ def main() -> int:
             entry["ttft_breakdown_short"] = stage_breakdown(stages0, stages1)
             entry["ttft_breakdown_mixed"] = stage_breakdown(stages1, stages2)
         entry["pages_back_to_total"] = d_info.get("free_pages") == d_info.get("total_pages")
-        results[name] = entry
-        outputs[name] = [r.get("tokens") for r in rows_short + rows_mixed]
         s, m = entry["short"], entry["mixed_short_only"]
         log(f"   short: TTFT p50 {s['ttft_p50_s']:.2f} p99 {s['ttft_p99_s']:.2f}  TPOT p50 {s['tpot_p50_s'] * 1e3:.0f} ms "
             f"p99 {s['tpot_p99_s'] * 1e3:.0f} ms  tau {s.get('tau', 1):.2f}  errors {s['num_errors']}")
@@ -293,7 +296,27 @@ def main() -> int:
             log(f"   kv: {entry['kv_short']['mb_per_s']} MB/s, {entry['kv_short']['descriptors_per_request']} desc/req")
             log_breakdown("short", entry["ttft_breakdown_short"])
             log_breakdown("mixed", entry["ttft_breakdown_mixed"])
+        return entry, [r.get("tokens") for r in rows_short + rows_mixed]
+
+    results, outputs, rounds = {}, {}, []
+    t_start = time.perf_counter()
+    order = args.configs.split(",")
+    for rnd in range(args.rounds):
+        rounds.append({})
+        for name in (order if rnd % 2 == 0 else order[::-1]):  # ABBA: drift falls on every config alike
+            entry, outs = run_config(name)
+            results.setdefault(name, entry)  # the first round's, in full
+            outputs.setdefault(name, outs)
+            rounds[-1][name] = {"short_tpot_p50_ms": entry["short"]["tpot_p50_s"] * 1e3,
+                                "tau": entry["short"].get("tau"),
+                                "mixed_short_tpot_p99_ms": entry["mixed_short_only"]["tpot_p99_s"] * 1e3}
     ratios = {}
+    if "pd" in order and args.rounds > 1:  # each spec config's short TPOT p50 over non-spec PD's, round by round
+        for n in order:
+            if n.startswith("pd_spec"):
+                per = [r[n]["short_tpot_p50_ms"] / r["pd"]["short_tpot_p50_ms"] for r in rounds]
+                ratios[f"{n}_over_pd_short_tpot_p50_by_round"] = {"median": median(per), "min": min(per),
+                                                                   "max": max(per), "rounds": per}
     for pd_name, uni_name in (("pd", "unified"), ("pd_spec_both", "unified_spec"), ("pd_spec_decode_only", "unified_spec")):
         if pd_name in results and uni_name in results:
             pd_r, uni = results[pd_name], results[uni_name]
@@ -324,7 +347,7 @@ def main() -> int:
               "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,
               "rate_req_per_s": args.rate, "max_tokens": args.max_tokens,
               "engine_priority": args.engine_priority, "arrival_s": delays,
-              "long_arrival_s": long_delays, "results": results, "ratios": ratios, "raw_mooncake": raw,
+              "long_arrival_s": long_delays, "results": results, "rounds": rounds, "ratios": ratios, "raw_mooncake": raw,
               "bench_wall_s": round(time.perf_counter() - t_start, 1), **meta}
     write_json(out_path, report)
     log(json.dumps(ratios, indent=1))

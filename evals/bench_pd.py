@@ -347,7 +347,8 @@ def main() -> int:
               "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,
               "rate_req_per_s": args.rate, "max_tokens": args.max_tokens,
               "engine_priority": args.engine_priority, "arrival_s": delays,
-              "long_arrival_s": long_delays, "results": results, "rounds": rounds, "ratios": ratios, "raw_mooncake": raw,
+              "long_arrival_s": long_delays, "results": results, "rounds": rounds, "ratios": ratios,
+              "raw_mooncake": raw,
               "bench_wall_s": round(time.perf_counter() - t_start, 1), **meta}
     write_json(out_path, report)
     log(json.dumps(ratios, indent=1))

@@ -33,7 +33,6 @@ only on its own history (PD and unified then take identical rounds).
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 
 PRIOR_ACCEPT = 0.5  # engine-wide conditional acceptance before any round is seen
@@ -103,7 +102,11 @@ class CostModel:
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
 
     def target(self, requests: int, rows: int) -> float:
-        return self.target_rows(rows) + self.per_request * max(requests - 1, 0) + self.level * requests
+        return self._table(requests, rows) + self.level * requests
+
+    def _table(self, requests: int, rows: int) -> float:
+        """The startup measurement's price, without the online level."""
+        return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
 
     def draft(self, rows: int) -> float:
         if rows <= 0 or self.draft_rows is None:
@@ -114,7 +117,7 @@ class CostModel:
         """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
         if self.frozen or requests <= 0:
             return
-        modelled = self.target_rows(rows) + self.per_request * max(requests - 1, 0)
+        modelled = self._table(requests, rows)
         # one reading's pull is bounded (a descheduled round reads several times its cost)
         per = min(max(seconds - modelled, -0.5 * modelled), modelled) / requests
         self.level += ONLINE_RATE * (per - self.level)
@@ -143,7 +146,8 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
-                "per_request": self.per_request, "level": self.level, "draft_scale": self.draft_scale, "off_overhead": self.off_overhead,
+                "per_request": self.per_request, "level": self.level, "draft_scale": self.draft_scale,
+                "off_overhead": self.off_overhead,
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
 

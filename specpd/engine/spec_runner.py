@@ -179,9 +179,10 @@ class SpecRunner:
                                                    [it.request.pages for it in items], [None] * len(items), [])
         results = runner.sample_items(items, q_lens, hidden, suppress)
         target_s = time.perf_counter() - t0
-        if all(it.spec_decode for it in items):
+        decode_only = all(it.spec_decode for it in items)  # no prefill chunk: the round's cost is a decode's
+        if decode_only:
             policy.cost.observe_target(len(items), len(ids), target_s)
-        extends, offset, decode_only = [], 0, True
+        extends, offset = [], 0
         for it, q, res in zip(items, q_lens, results):
             rid = it.request.request_id
             rows = features[offset:offset + q]
@@ -199,7 +200,6 @@ class SpecRunner:
                 else:
                     extends.append(ext)
             else:
-                decode_only = False
                 self._drop_deferred(rid)  # a recompute (after preemption) starts over
                 extends.append(_prompt_extend(it, res.token_ids, rows))
         if extends:

@@ -156,6 +156,10 @@ class CostModel:
 class RequestStats:
     accepted: list[float]  # [S] decayed rounds whose proposal at depth d + 1 was accepted
     attempted: list[float]  # [S] decayed rounds that reached depth d + 1 with a proposal there
+    # the same for the narrow shape (a K-wide tree cut to depth + 1 nodes: the draft's top path), read off
+    # every verify: a round at full width counts the leading accepted nodes that were their parent's top child
+    chain_accepted: list[float] = field(default_factory=list)
+    chain_attempted: list[float] = field(default_factory=list)
     idle_rounds: int = 0  # consecutive rounds at depth 0
     probe_every: int = PROBE_MIN
     probing: bool = False
@@ -188,6 +192,10 @@ class AdaptivePolicy:
         self.shadow = shadow
         self.shadow_probes: list[str] = []  # the last plan's shadow-probing requests
         self.global_accept = [PRIOR_ACCEPT] * num_steps
+        self.global_chain = [PRIOR_ACCEPT] * num_steps
+        # a narrow round (budget depth + 1) is an option only where the full tree is wider than a chain
+        self.narrow_ok = topk > 1 and num_draft_tokens > 2
+        self._narrow: dict[str, bool] = {}  # request id -> its last plan was narrow
         self.stats = PlanStats()
         self._stats: dict[str, RequestStats] = {}
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
@@ -195,15 +203,15 @@ class AdaptivePolicy:
 
     # -- shape of a round -------------------------------------------------------------------
     def rows(self, k: int) -> int:
-        """Verify rows (root included) of a round at depth k."""
-        if k <= 0:
+        """Verify rows (root included) of a round at option k: depth k at full width, -k: depth k narrow
+        (the draft's best k + 1 nodes, root included)."""
+        if k < 0:
+            return 1 - k
+        if k == 0:
             return 1
         if self.topk == 1:
             return k + 1
         return min(self.num_draft_tokens, 1 + self.topk + (k - 1) * self.topk * self.topk)
-
-    def budget(self, k: int) -> int:
-        return self.rows(k)
 
     def frontier(self, level: int) -> int:
         """Draft rows one request runs at draft step `level` (>= 1)."""
@@ -213,18 +221,20 @@ class AdaptivePolicy:
     def _get(self, request_id: str) -> RequestStats:
         st = self._stats.get(request_id)
         if st is None:
-            st = self._stats[request_id] = RequestStats([0.0] * self.num_steps, [0.0] * self.num_steps)
+            z = [0.0] * self.num_steps
+            st = self._stats[request_id] = RequestStats(list(z), list(z), list(z), list(z))
         return st
 
-    def accept_rates(self, request_id: str) -> list[float]:
+    def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
         """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate; a deeper depth's is
         this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
         request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
         tried yet, and one that fails early is not."""
         st = self._get(request_id)
-        g = self.global_accept
+        g = self.global_chain if narrow else self.global_accept
         rates, prior = [], g[0]
-        for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
+        pairs = zip(st.chain_accepted, st.chain_attempted) if narrow else zip(st.accepted, st.attempted)
+        for d, (acc, att) in enumerate(pairs):
             if d > 0:
                 prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
             rates.append((acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT))
@@ -249,12 +259,18 @@ class AdaptivePolicy:
         if n == 0:
             return []
         pending = list(pending) if pending is not None else [0] * n
+        # an option k: depth k at full width, -k: depth k narrow; gains[i][k] indexes both (a narrow
+        # depth's expectation sits at the list's end, so gains[i][-k] is it)
         gains = [self.expected_tokens(self.accept_rates(r)) for r in request_ids]
+        if self.narrow_ok:
+            gains = [g + self.expected_tokens(self.accept_rates(r, narrow=True))[:0:-1]
+                     for g, r in zip(gains, request_ids)]
+        options = [o for k in range(1, self.num_steps + 1) for o in ((k, -k) if self.narrow_ok else (k,))]
         extra = (gains, pending, other_requests, other_rows)
         base_time = self._round_time([0] * n, *extra)
-        # start from the best depth shared by everyone (a draft forward's fixed cost is shared, which
+        # start from the best option shared by everyone (a draft forward's fixed cost is shared, which
         # one request's marginal view would not see), then let each request move from there
-        uniform = max(range(self.num_steps + 1),
+        uniform = max([0] + options,
                       key=lambda k: sum(g[k] for g in gains) / self._round_time([k] * n, *extra))
         depth = [uniform] * n
         lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, *extra))
@@ -262,23 +278,23 @@ class AdaptivePolicy:
         for _ in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
             req = other_requests + n
-            level_rows = [sum(self.frontier(s) for k in depth if k > s) for s in range(steps)]
+            level_rows = [sum(self.frontier(s) for k in depth if abs(k) > s) for s in range(steps)]
             # marginal seconds of one request's frontier at draft level s, whether or not it is there now
             add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
             own = [cost.draft(level_rows[s]) - cost.draft(level_rows[s] - self.frontier(s)) for s in range(steps)]
-            ext_total = sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0)
+            ext_total = sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0)
             new = []
             for i in range(n):
-                ext_rows = ext_total - (gains[i][depth[i]] + pending[i] if depth[i] > 0 else 0.0)
+                ext_rows = ext_total - (gains[i][depth[i]] + pending[i] if depth[i] != 0 else 0.0)
                 ext_base = cost.draft(ext_rows)
                 # the batch's rows with this request at depth 0: its verify rows are priced exactly from there
                 # (the CPU kernel's cost steps at row blocks; a derivative at one point misprices k rows)
                 rows_base = rows - self.rows(depth[i]) + 1
                 target_base = cost.target(req, rows_base)
                 best_k, best_v, draft = 0, 0.0, 0.0
-                for k in range(1, steps + 1):
+                for k in options:  # a narrow depth drafts as its full one does: only its verify rows differ
                     if k > 1:
-                        draft += own[k - 1] if depth[i] > k - 1 else add[k - 1]
+                        draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + pending[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
                     value = (gains[i][k] - 1.0) - lam * (verify + draft + extend + cost.spec_overhead)
@@ -293,7 +309,9 @@ class AdaptivePolicy:
             depth = [0] * n
         self._probe(request_ids, depth, extra)
         self.last_draft_s = self._draft_time(depth, gains, pending)
-        return [(k, self.budget(k) if k else 1) for k in depth]
+        for rid, k in zip(request_ids, depth):
+            self._narrow[rid] = k < 0
+        return [(abs(k), self.rows(k)) for k in depth]
 
     def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> None:
         """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
@@ -339,18 +357,19 @@ class AdaptivePolicy:
         plain = self.cost.target(req, other_rows + len(depth))
         target = plain + (self.cost.target(req, rows) - plain) * self.cost.tree_factor
         return (target + self._draft_time(depth, gains, pending)
-                + self.cost.spec_overhead * sum(1 for k in depth if k > 0))
+                + self.cost.spec_overhead * sum(1 for k in depth if k != 0))
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
         t = 0.0
         for s in range(1, self.num_steps):
-            t += self.cost.draft(sum(self.frontier(s) for k in depth if k > s))
-        return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k > 0))))
+            t += self.cost.draft(sum(self.frontier(s) for k in depth if abs(k) > s))
+        return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
 
     # -- feedback ---------------------------------------------------------------------------
-    def observe(self, request_id: str, proposed_depth: int, num_accepted: int) -> None:
-        """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept."""
+    def observe(self, request_id: str, proposed_depth: int, num_accepted: int, top_path: int | None = None) -> None:
+        """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept, the first
+        `top_path` of them each its parent's top-ranked child (what a narrow round would have kept)."""
         st = self._get(request_id)
         if proposed_depth <= 0:
             if st.probing:  # the drafter had nothing to offer (an n-gram without a match): probe again next round
@@ -358,16 +377,25 @@ class AdaptivePolicy:
             return
         if st.probing:
             st.probe_every = PROBE_MIN if num_accepted > 0 else min(2 * st.probe_every, PROBE_MAX)
-        reached = min(num_accepted + 1, proposed_depth)
+        if self._narrow.get(request_id, False):  # a narrow round: its outcome is the narrow shape's only
+            self._count(st.chain_accepted, st.chain_attempted, self.global_chain, proposed_depth, num_accepted)
+            return
+        self._count(st.accepted, st.attempted, self.global_accept, proposed_depth, num_accepted)
+        if top_path is not None and self.narrow_ok:
+            self._count(st.chain_accepted, st.chain_attempted, self.global_chain, proposed_depth, top_path)
+
+    def _count(self, accepted: list[float], attempted: list[float], engine_wide: list[float], depth: int,
+               num_accepted: int) -> None:
         for d in range(self.num_steps):
-            st.accepted[d] *= DECAY
-            st.attempted[d] *= DECAY
-        for d in range(reached):
-            st.attempted[d] += 1.0
+            accepted[d] *= DECAY
+            attempted[d] *= DECAY
+        for d in range(min(num_accepted + 1, depth)):
+            attempted[d] += 1.0
             hit = d < num_accepted
-            st.accepted[d] += float(hit)
+            accepted[d] += float(hit)
             if not self.frozen:
-                self.global_accept[d] += GLOBAL_RATE * (float(hit) - self.global_accept[d])
+                engine_wide[d] += GLOBAL_RATE * (float(hit) - engine_wide[d])
 
     def release(self, request_id: str) -> None:
         self._stats.pop(request_id, None)
+        self._narrow.pop(request_id, None)

@@ -119,13 +119,13 @@ class SpecRunner:
             offset += q
             if it.spec_decode:
                 tree = trees[id(it)]
-                res, ext = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
+                res, ext, top_path = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
                 row += q
                 if policy is not None:
                     if it.request.request_id in shadow:
                         self._observe_shadow(it.request, res.token_ids)
                     else:
-                        policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0)
+                        policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0, top_path)
                     policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
                     if self.proposer.needs_hidden:  # run when the request speculates next
                         self._defer(ext)
@@ -152,7 +152,7 @@ class SpecRunner:
         its top-1 for the token the round committed; a greedy verify of that proposal accepts iff they match."""
         state = request.spec_state
         hit = state is not None and bool(committed) and committed[0] == state.topk_ids[0]
-        self.policy.observe(request.request_id, 1, int(hit))
+        self.policy.observe(request.request_id, 1, int(hit), top_path=int(hit))
 
     def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float, shadow: set) -> list[SampledTokens]:
         """Every decode request at depth 0: a plain decode step (the runner's batched sampling, no trees, no
@@ -302,7 +302,8 @@ class SpecRunner:
         ext = DraftExtend(req, it.start, tokens, features[nodes], at_end=True)
         # a root-only tree (adaptive depth 0) was a plain decode step, not a verify: tau counts verifies only
         accepted = len(path) if tree.num_nodes > 1 else None
-        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext
+        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext, \
+            top_path_length(tree, path)
 
 
 def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:
@@ -348,6 +349,21 @@ def _prompt_extend(it: ScheduledItem, sampled: list[int], features) -> DraftExte
     nxt = sampled[0] if it.samples else req.all_token_ids[it.start + it.num_tokens]
     shifted = req.all_token_ids[it.start + 1:it.start + it.num_tokens] + [nxt]
     return DraftExtend(req, it.start, shifted, features, at_end=it.samples)
+
+
+def top_path_length(tree, path: list[int]) -> int:
+    """How many leading nodes of the accepted `path` were each their parent's top-ranked child (the highest
+    draft log-prob among its siblings): what a round drafting only the top path would have accepted."""
+    parents, cum = tree.parents.tolist(), tree.cum_logprob.tolist()
+    best: dict[int, int] = {}
+    for node in range(1, len(parents)):
+        p = parents[node]
+        if p not in best or cum[node] > cum[best[p]]:
+            best[p] = node
+    n = 0
+    while n < len(path) and best.get(parents[path[n]]) == path[n]:
+        n += 1
+    return n
 
 
 def tree_path_tokens(tree, node: int) -> list[int]:

@@ -116,6 +116,50 @@ def test_verify_rows_are_priced_exactly_across_a_cost_step():
     assert plans[0][0] >= 4 and all(k == 0 for k, _ in plans[1:]), plans
 
 
+def test_a_wide_tree_that_crosses_a_cost_step_goes_narrow():
+    """EAGLE-3's K=4 tree adds 4 verify rows a request even at depth 1: at batch 3 that crosses the CPU
+    kernel's 6 -> 8-row step (this box's table), while the top path alone (one row a request) stays below it.
+    With the top path accepted nearly as often as the tree, the plan verifies it narrow; at batch 1, where
+    rows are cheap, the same request drafts its full width."""
+    table = {r: (44 + 0.6 * r + (10 if r > 6 else 0) + (1.5 * (r - 8) if r > 8 else 0)) * MS for r in range(1, 65)}
+    cost = CostModel(table, per_request=1 * MS, draft_rows={1: 3 * MS, 64: 20 * MS}, frozen=True)
+    ids = ["a", "b", "c"]
+    policy = AdaptivePolicy(2, 4, 5, cost, frozen=True)
+    for rid in ids:
+        st = policy._get(rid)
+        st.attempted[:], st.accepted[:] = [40.0, 28.0], [28.0, 16.0]  # the tree: 0.7, then 0.57
+        st.chain_attempted[:], st.chain_accepted[:] = [40.0, 24.0], [24.0, 12.0]  # its top path: 0.6, 0.5
+    plans = policy.plan(ids)
+    assert all(k >= 1 and budget == k + 1 for k, budget in plans), plans
+    (k, budget), = policy.plan(["a"])
+    assert k >= 1 and budget == policy.rows(k) == 5
+
+
+def test_every_verify_teaches_the_narrow_shape_from_its_top_path():
+    """A full-width round's accepted path, cut where a node was not its parent's top-ranked child, is what a
+    narrow round would have kept; a narrow round's own outcome teaches the narrow shape only."""
+    import torch
+
+    from specpd.engine.spec_runner import top_path_length
+    from specpd.verify.tree import DraftTree
+    # root -> 1 (best), 2; 1 -> 3, 4 (best); 2 -> 5
+    tree = DraftTree(torch.tensor([9, 10, 11, 12, 13, 14]), torch.tensor([-1, 0, 0, 1, 1, 2]),
+                     torch.tensor([0, 1, 1, 2, 2, 2]), torch.tensor([0.0, -0.1, -2.0, -1.5, -0.5, -2.5]))
+    assert top_path_length(tree, [1, 4]) == 2
+    assert top_path_length(tree, [1, 3]) == 1
+    assert top_path_length(tree, [2, 5]) == 0
+    assert top_path_length(tree, []) == 0
+    policy = AdaptivePolicy(2, 4, 5, memory_bound(), frozen=True)
+    policy.observe("a", 2, 2, top_path=1)  # the tree kept 2; its top path would have kept 1
+    st = policy._get("a")
+    assert st.attempted == [1.0, 1.0] and st.accepted == [1.0, 1.0]
+    assert st.chain_attempted == [1.0, 1.0] and st.chain_accepted == [1.0, 0.0]
+    policy._narrow["a"] = True  # the last plan drafted narrow
+    policy.observe("a", 2, 0, top_path=0)
+    assert st.attempted == [1.0, 1.0]  # the tree's statistics untouched
+    assert st.chain_attempted == [0.9 + 1.0, 0.9] and st.chain_accepted == [0.9, 0.0]
+
+
 def test_a_measured_tree_factor_makes_verify_rows_dearer():
     """Batches whose requests each verify several rows cost more than one request's rows in the table
     (CostModel.tree_factor, measured at startup): with it at 2 the same acceptance buys less depth."""

@@ -152,7 +152,7 @@ class SpecRunner:
         its top-1 for the token the round committed; a greedy verify of that proposal accepts iff they match."""
         state = request.spec_state
         hit = state is not None and bool(committed) and committed[0] == state.topk_ids[0]
-        self.policy.observe(request.request_id, 1, int(hit), top_path=int(hit))
+        self.policy.observe(request.request_id, 1, int(hit), top_path=int(hit), shadow=True)
 
     def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float, shadow: set) -> list[SampledTokens]:
         """Every decode request at depth 0: a plain decode step (the runner's batched sampling, no trees, no

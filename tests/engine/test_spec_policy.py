@@ -160,6 +160,30 @@ def test_every_verify_teaches_the_narrow_shape_from_its_top_path():
     assert st.chain_attempted == [0.9 + 1.0, 0.9] and st.chain_accepted == [0.9, 0.0]
 
 
+def test_the_narrow_prior_is_the_requests_own_rate_times_the_paired_top_path_share():
+    """A request's narrow estimate starts from its own full-width rate times how often the top path keeps what
+    the tree keeps, engine-wide, read off the same full-width rounds (pairs). Narrow rounds' own outcomes and
+    shadow probes (a top-1 test, no tree) leave the share alone: the requests that chose narrow are the ones
+    accepting most, and an engine-wide narrow rate learned on them once led a batch of 8 to speculate where
+    the top path failed."""
+    policy = AdaptivePolicy(2, 4, 5, memory_bound())  # not frozen: engine-wide learning on
+    assert policy.top_path_share() == pytest.approx([0.75, 0.75])  # the prior before any pair
+    for i in range(60):  # full-width rounds: the tree keeps 2 every round, its top path 2 in every other, else 1
+        policy.observe("a", 2, 2, top_path=1 + i % 2)
+    share = policy.top_path_share()
+    assert share[0] == pytest.approx(1.0, abs=0.02) and share[1] == pytest.approx(0.5, abs=0.1)
+    for _ in range(60):  # narrow rounds that always keep everything, and shadow probes that always hit
+        policy._narrow["b"] = True
+        policy.observe("b", 2, 2, top_path=2)
+        policy._narrow["b"] = False
+        policy.observe("c", 1, 1, top_path=1, shadow=True)
+    assert policy.top_path_share() == pytest.approx(share)
+    # a fresh request: its narrow prior is its full-width estimate scaled by the share, depth by depth
+    wide, narrow = policy.accept_rates("d"), policy.accept_rates("d", narrow=True)
+    assert narrow[0] == pytest.approx(wide[0] * share[0]) and narrow[1] == pytest.approx(wide[1] * share[1])
+    assert narrow[1] < wide[1]
+
+
 def test_a_measured_tree_factor_makes_verify_rows_dearer():
     """Batches whose requests each verify several rows cost more than one request's rows in the table
     (CostModel.tree_factor, measured at startup): with it at 2 the same acceptance buys less depth."""

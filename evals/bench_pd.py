@@ -288,6 +288,9 @@ def main() -> int:
             entry["ttft_breakdown_short"] = stage_breakdown(stages0, stages1)
             entry["ttft_breakdown_mixed"] = stage_breakdown(stages1, stages2)
         entry["pages_back_to_total"] = d_info.get("free_pages") == d_info.get("total_pages")
+        # what D's adaptive policy chose over the run (rounds off / narrow, its learned costs and acceptance)
+        entry["d_spec_policy"] = {k: d_info[k] for k in ("spec_rounds", "spec_rounds_off", "spec_rounds_narrow",
+                                                         "spec_draft_tokens_hist", "spec_policy") if k in d_info}
         s, m = entry["short"], entry["mixed_short_only"]
         log(f"   short: TTFT p50 {s['ttft_p50_s']:.2f} p99 {s['ttft_p99_s']:.2f}  TPOT p50 {s['tpot_p50_s'] * 1e3:.0f} ms "
             f"p99 {s['tpot_p99_s'] * 1e3:.0f} ms  tau {s.get('tau', 1):.2f}  errors {s['num_errors']}")
@@ -309,7 +312,8 @@ def main() -> int:
             outputs.setdefault(name, outs)
             rounds[-1][name] = {"short_tpot_p50_ms": entry["short"]["tpot_p50_s"] * 1e3,
                                 "tau": entry["short"].get("tau"),
-                                "mixed_short_tpot_p99_ms": entry["mixed_short_only"]["tpot_p99_s"] * 1e3}
+                                "mixed_short_tpot_p99_ms": entry["mixed_short_only"]["tpot_p99_s"] * 1e3,
+                                "d_spec_policy": entry.get("d_spec_policy")}
     ratios = {}
     if "pd" in order and args.rounds > 1:  # each spec config's short TPOT p50 over non-spec PD's, round by round
         for n in order:

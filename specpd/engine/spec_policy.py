@@ -172,6 +172,7 @@ class PlanStats:
 
     rounds: int = 0
     rounds_off: int = 0  # rounds planned at depth 0
+    rounds_narrow: int = 0  # rounds planned narrow (the draft's best depth + 1 nodes, not the full tree)
     proposed_hist: dict[int, int] = field(default_factory=dict)  # draft tokens proposed per round -> rounds
 
     def record(self, proposed: int, off: bool) -> None:
@@ -332,6 +333,7 @@ class AdaptivePolicy:
         self.last_draft_s = self._draft_time(depth, gains, pending)
         for rid, k in zip(request_ids, depth):
             self._narrow[rid] = k < 0
+        self.stats.rounds_narrow += sum(1 for k in depth if k < 0)
         return [(abs(k), self.rows(k)) for k in depth]
 
     def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> None:

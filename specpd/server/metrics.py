@@ -73,6 +73,10 @@ class _SpecCollector:
                                       "decode step.", labels=["model_name"])
             off.add_metric([self._model], st.get("spec_rounds_off", 0))
             yield off
+            narrow = CounterMetricFamily("specpd:spec_rounds_narrow", "Request rounds the adaptive policy drafted "
+                                         "narrow (the draft's best depth + 1 nodes).", labels=["model_name"])
+            narrow.add_metric([self._model], st.get("spec_rounds_narrow", 0))
+            yield narrow
             rounds = CounterMetricFamily("specpd:spec_rounds", "Request rounds planned by the adaptive policy.",
                                          labels=["model_name"])
             rounds.add_metric([self._model], st.get("spec_rounds", 0))

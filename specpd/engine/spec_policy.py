@@ -1,4 +1,4 @@
-"""Adaptive speculation: each round, per request, the draft depth that pays (0 = a plain decode step).
+"""Adaptive speculation: each round, per request, the draft depth and width that pay (0 = a plain decode step).
 
 Speculation buys tokens with compute: a round at depth k costs k more verify rows, k - 1 draft steps
 and a draft extend over what it commits, and returns 1 + a_1 + a_1 a_2 + ... + a_1..a_k tokens in
@@ -13,7 +13,13 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      own rate one level up (scaled by the engine-wide trend between the levels).
   3. `plan` picks each request's depth by marginal value: with lam the batch's current tokens per
      second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
-     times; the plan is kept only if it beats everyone at depth 0.
+     times; the plan is kept only if it beats everyone at depth 0. Each depth comes in two widths: the
+     full tree (topk wide) and narrow, the draft's best k + 1 nodes (k verify rows): at batch 3 a K=4
+     tree's 4 rows a request at depth 1 cross the CPU kernel's 6 -> 8-row step, where the top path's one
+     row does not. A narrow round's acceptance is read off every verify's accepted path (the leading
+     nodes that were their parent's top-ranked child); its prior is the request's full-width rate times
+     the top path's share of it, learned engine-wide from the same full-width rounds (paired: an
+     engine-wide narrow rate would be learned on the requests that chose narrow, the ones accepting most).
   4. A request at depth 0 re-probes depth 1 after `probe_every` rounds (doubling while probes fail),
      so a draft that became useful is noticed (with a draft state, EAGLE-family, a shadow probe: the
      request stays at depth 0, its draft catches up, and the probe's outcome is whether the token the

@@ -1,4 +1,4 @@
-"""The adaptive policy's cost model, measured at startup on this machine (CostModel, spec_policy.py).
+"""The adaptive policy's cost model, measured at startup on this machine (CostModel, spec_cost.py).
 
 1. Target forwards over 1..64 rows of one request (`context` tokens cached), LM head on every row: the
    grid's points are timed in passes, every point once per pass, so the box's drift between passes falls on
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specpd.engine.spec_policy import CostModel
+from specpd.engine.spec_cost import CostModel
 from specpd.kv.allocator import pages_needed
 
 TARGET_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -103,7 +103,7 @@ def with_matmul_steps(model, table: dict[int, float], passes: int) -> dict[int, 
     interpolation misses the steps, which is what speculating at batch 8 pays. Each count's value: the
     forward's interpolation plus how far the matmuls at that count (one decoder layer's, timed, times the
     layer count) lie from their own interpolation over the same grid."""
-    from specpd.engine.spec_policy import PiecewiseLinear
+    from specpd.engine.spec_cost import PiecewiseLinear
     from specpd.kernels import cpu_gemm
     from specpd.model.llama import MatmulLinear
     layer = model.layers[0]

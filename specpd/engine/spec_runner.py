@@ -32,7 +32,8 @@ from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_move
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
 from specpd.engine.spec_calibration import calibrate
-from specpd.engine.spec_policy import AdaptivePolicy, CostModel
+from specpd.engine.spec_cost import CostModel
+from specpd.engine.spec_policy import AdaptivePolicy
 from specpd.verify.greedy import verify_greedy
 from specpd.verify.rejection import verify_tree
 

@@ -6,7 +6,8 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
-from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_MIN, AdaptivePolicy, CostModel
+from specpd.engine.spec_cost import CostModel
+from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_MIN, AdaptivePolicy
 from specpd.model.loader import load_checkpoint
 from tests.model.hf_models import save_tiny_model
 
@@ -226,7 +227,7 @@ def test_the_cost_table_is_non_decreasing_and_extrapolates_from_its_upper_half()
     """A dense table (one point per row count, as the calibration builds it): a noisy high point at 63 rows
     must not set the slope past the table — a round over 96 rows was once priced at 8 ms, an eighth of a
     plain step at batch 8, and speculated on."""
-    from specpd.engine.spec_policy import PiecewiseLinear
+    from specpd.engine.spec_cost import PiecewiseLinear
     table = PiecewiseLinear({r: (40 + 3 * r) * MS for r in range(1, 65)})
     assert table(96) == pytest.approx((40 + 3 * 96) * MS)
     noisy = PiecewiseLinear({**{r: (40 + 3 * r) * MS for r in range(1, 64)}, 63: 0.6, 64: 0.6})

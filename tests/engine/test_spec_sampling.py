@@ -13,7 +13,7 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
-from specpd.engine.spec_policy import CostModel
+from specpd.engine.spec_cost import CostModel
 from specpd.model.loader import load_checkpoint
 from specpd.model.sampler import SamplingRow, process_logits
 from tests.model.hf_models import save_tiny_model

@@ -1,0 +1,116 @@
+"""The adaptive policy's cost model (spec_policy.py): seconds of one target forward by (requests, rows) and of
+one draft forward by rows, measured at startup (spec_calibration.calibrate) and corrected online: every decode
+round's timing moves the table's level (`CostModel.level`), never its slope, and what speculating rounds cost
+outside the target forward scales the draft's prices (`CostModel.draft_scale`)."""
+from __future__ import annotations
+
+import bisect
+
+ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
+DRAFT_SCALE_RANGE = (0.5, 8.0)
+
+
+class PiecewiseLinear:
+    """y(x) through measured points (x ascending), non-decreasing (more rows never cost less); beyond the
+    last point, linear at the mean slope of the upper half (the last two points of a dense table are one
+    row apart, and one noisy reading there would set the slope of everything past the table)."""
+
+    def __init__(self, points: dict[int, float]):
+        if not points:
+            raise ValueError("a cost table needs at least one measured point")
+        self.xs = sorted(points)
+        self.ys = [float(points[x]) for x in self.xs]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0] * max(x, 1) / max(xs[0], 1)
+        if x > xs[-1]:
+            mid = self(xs[0] + (xs[-1] - xs[0]) / 2)
+            slope = max(0.0, (ys[-1] - mid) / ((xs[-1] - xs[0]) / 2))
+            return ys[-1] + slope * (x - xs[-1])
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostModel:
+    """target(requests, rows) and draft(rows) in seconds; draft_step_overhead: Python per draft level."""
+
+    def __init__(self, target_rows: dict[int, float], per_request: float, draft_rows: dict[int, float] | None,
+                 frozen: bool = False, tree_factor: float = 1.0):
+        self.target_rows = PiecewiseLinear(target_rows)  # one request with `rows` query rows
+        self.per_request = per_request  # extra seconds per further request in the batch
+        # measured / modelled seconds of a batch whose requests each verify several rows (their attention runs
+        # as padded multi-row blocks with tree masks, which one request's rows do not show): verify rows cost
+        # this much more than the table says
+        self.tree_factor = tree_factor
+        self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
+        self.frozen = frozen
+        # seconds per request a decode round's target forward takes beyond the table's price (longer contexts
+        # than the calibration's, the box's drift), learned online: it moves every row count alike, so what a
+        # verify row costs stays the measured slope (moving the observed row count's point alone once made a
+        # batch of 8 see rows 9-23 at one price: verify rows for free)
+        self.level = 0.0
+        # measured / predicted seconds of what a speculating round adds outside the target forward
+        self.draft_scale = 1.0
+        self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
+        # a model-free drafter (n-gram): what each speculating request adds outside the target forward (its
+        # proposal, tree, verify, KV compaction); a model drafter's is in draft_scale
+        self.spec_overhead = 0.0
+
+    @classmethod
+    def pinned(cls, with_draft: bool) -> "CostModel":
+        """A fixed table in the shape this engine measures on CPU (50 ms a decode step, +1 ms a row,
+        3 ms a draft forward), for tests that need reproducible plans."""
+        return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
+
+    def target(self, requests: int, rows: int) -> float:
+        return self._table(requests, rows) + self.level * requests
+
+    def _table(self, requests: int, rows: int) -> float:
+        """The startup measurement's price, without the online level."""
+        return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
+
+    def draft(self, rows: int) -> float:
+        if rows <= 0 or self.draft_rows is None:
+            return 0.0
+        return self.draft_rows(rows) * self.draft_scale
+
+    def observe_target(self, requests: int, rows: int, seconds: float) -> None:
+        """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
+        if self.frozen or requests <= 0:
+            return
+        modelled = self._table(requests, rows)
+        # one reading's pull is bounded (a descheduled round reads several times its cost)
+        per = min(max(seconds - modelled, -0.5 * modelled), modelled) / requests
+        self.level += ONLINE_RATE * (per - self.level)
+
+    def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
+                      speculating: int = 0) -> None:
+        """One decode round (no prefill in it): `outside_s` = its seconds outside the target forward,
+        `predicted_draft_s` = what `draft` predicted for its draft forwards, `speculating` = its requests
+        above depth 0."""
+        if self.frozen or requests <= 0:
+            return
+        if speculated and predicted_draft_s <= 0:  # a model-free drafter: no draft forward to scale
+            if self.off_overhead is not None and speculating > 0:
+                per = max(outside_s - self.off_overhead * requests, 0.0) / speculating
+                self.spec_overhead += ONLINE_RATE * (per - self.spec_overhead)
+            return
+        if not speculated:
+            per = outside_s / requests
+            self.off_overhead = per if self.off_overhead is None else \
+                self.off_overhead + ONLINE_RATE * (per - self.off_overhead)
+        elif self.off_overhead is not None:
+            excess = max(outside_s - self.off_overhead * requests, 1e-6)
+            ratio = excess / (predicted_draft_s / self.draft_scale)
+            lo, hi = DRAFT_SCALE_RANGE
+            self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
+
+    def as_dict(self) -> dict:
+        return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
+                "per_request": self.per_request, "level": self.level, "draft_scale": self.draft_scale,
+                "off_overhead": self.off_overhead,
+                "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
+                "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}

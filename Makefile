@@ -35,7 +35,7 @@ SERVER_TESTS := tests/disagg tests/server tests/grammar
 
 test: install
 	@OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 tests $(SERVER_TESTS:%=--ignore=%); a=$$?; \
-	$(BIN)/python -m pytest -q $(SERVER_TESTS); b=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 $(SERVER_TESTS); b=$$?; \
 	test $$a -eq 0 -a $$b -eq 0
 
 bench: install

@@ -120,12 +120,13 @@ class SpecRunner:
             offset += q
             if it.spec_decode:
                 tree = trees[id(it)]
-                res, ext, top_path = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
+                res, ext, path = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
                 row += q
                 if policy is not None:
                     if it.request.request_id in shadow:
                         self._observe_shadow(it.request, res.token_ids)
-                    else:
+                    else:  # what the top path kept: only a policy that offers narrow rounds reads it
+                        top_path = top_path_length(tree, path) if policy.narrow_ok else None
                         policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0, top_path)
                     policy.stats.record(tree.num_nodes - 1, off=tree.num_nodes == 1)
                     if self.proposer.needs_hidden:  # run when the request speculates next
@@ -276,7 +277,7 @@ class SpecRunner:
         return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
     def _verify(self, it: ScheduledItem, tree, logits, features, suppress):
-        """logits [T, vocab] fp32 at the tree's nodes."""
+        """logits [T, vocab] fp32 at the tree's nodes; returns the result, the draft extend and the accepted path."""
         req = it.request
         runner = self.runner
         if req.grammar is not None:  # every node against the target masked by the grammar state at that node
@@ -303,8 +304,7 @@ class SpecRunner:
         ext = DraftExtend(req, it.start, tokens, features[nodes], at_end=True)
         # a root-only tree (adaptive depth 0) was a plain decode step, not a verify: tau counts verifies only
         accepted = len(path) if tree.num_nodes > 1 else None
-        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext, \
-            top_path_length(tree, path)
+        return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext, path
 
 
 def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:

@@ -115,7 +115,7 @@ class LLMEngine:
         return {"spec_rounds": st.rounds, "spec_rounds_off": st.rounds_off,
                 "spec_rounds_off_share": st.rounds_off / st.rounds if st.rounds else None,
                 "spec_rounds_narrow": st.rounds_narrow, "spec_draft_tokens_hist": hist,
-                "spec_policy": {"cost_level_s": policy.cost.level, "draft_scale": policy.cost.draft_scale,
+                "spec_policy": {"cost_scale": policy.cost.scale, "draft_scale": policy.cost.draft_scale,
                                 "accept": list(policy.global_accept), "top_path_share": policy.top_path_share()}}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

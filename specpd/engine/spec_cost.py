@@ -1,13 +1,15 @@
 """The adaptive policy's cost model (spec_policy.py): seconds of one target forward by (requests, rows) and of
 one draft forward by rows, measured at startup (spec_calibration.calibrate) and corrected online: every decode
-round's timing moves the table's level (`CostModel.level`), never its slope, and what speculating rounds cost
-outside the target forward scales the draft's prices (`CostModel.draft_scale`)."""
+round's timing scales the whole table (`CostModel.scale`), so a verify row keeps its measured share of a round,
+and what speculating rounds cost outside the target forward scales the draft's prices (`CostModel.draft_scale`)."""
 from __future__ import annotations
 
 import bisect
 
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 DRAFT_SCALE_RANGE = (0.5, 8.0)
+SCALE_READING = (0.5, 2.0)  # one decode round's pull on `CostModel.scale` is bounded (a descheduled round reads
+# several times its cost)
 
 
 class PiecewiseLinear:
@@ -47,11 +49,14 @@ class CostModel:
         self.tree_factor = tree_factor
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
-        # seconds per request a decode round's target forward takes beyond the table's price (longer contexts
-        # than the calibration's, the box's drift), learned online: it moves every row count alike, so what a
-        # verify row costs stays the measured slope (moving the observed row count's point alone once made a
-        # batch of 8 see rows 9-23 at one price: verify rows for free)
-        self.level = 0.0
+        # measured / tabled seconds of a decode round's target forward (longer contexts than the calibration's,
+        # the box's drift, a core shared with a prefill server), learned online and applied to every row count:
+        # what slows a forward on a shared CPU (time slices, memory bandwidth, attention over a longer context)
+        # slows its every row alike. It was an additive level per request once: under PD a decode server read
+        # 15-58 ms per request above the table, which made a plain round look slow and so a verify row cheap
+        # against it, and the policy speculated where it lost. Moving the observed row count's point alone, as
+        # the model did before that, once made a batch of 8 see rows 9-23 at one price: verify rows for free.
+        self.scale = 1.0
         # measured / predicted seconds of what a speculating round adds outside the target forward
         self.draft_scale = 1.0
         self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
@@ -66,10 +71,10 @@ class CostModel:
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
 
     def target(self, requests: int, rows: int) -> float:
-        return self._table(requests, rows) + self.level * requests
+        return self._table(requests, rows) * self.scale
 
     def _table(self, requests: int, rows: int) -> float:
-        """The startup measurement's price, without the online level."""
+        """The startup measurement's price, without the online scale."""
         return self.target_rows(rows) + self.per_request * max(requests - 1, 0)
 
     def draft(self, rows: int) -> float:
@@ -81,10 +86,9 @@ class CostModel:
         """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
         if self.frozen or requests <= 0:
             return
-        modelled = self._table(requests, rows)
-        # one reading's pull is bounded (a descheduled round reads several times its cost)
-        per = min(max(seconds - modelled, -0.5 * modelled), modelled) / requests
-        self.level += ONLINE_RATE * (per - self.level)
+        lo, hi = SCALE_READING
+        ratio = min(hi, max(lo, seconds / max(self._table(requests, rows), 1e-9)))
+        self.scale += ONLINE_RATE * (ratio - self.scale)
 
     def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
                       speculating: int = 0) -> None:
@@ -110,7 +114,7 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
-                "per_request": self.per_request, "level": self.level, "draft_scale": self.draft_scale,
+                "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
                 "off_overhead": self.off_overhead,
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}

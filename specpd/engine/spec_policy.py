@@ -7,7 +7,7 @@ that beats a plain decode step depends on this engine on this machine (a CPU ver
 more than a GPU one) and on the batch (large batches are compute-bound). The policy:
   1. `CostModel` (spec_cost.py): seconds of one target forward by (requests, rows) and of one draft
      forward by rows, measured at startup (spec_calibration.calibrate); online, every decode round's
-     timing moves the table's level (`CostModel.level`), never its slope.
+     timing scales the table (`CostModel.scale`), so a verify row keeps its measured share of a round.
   2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
      the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
      own rate one level up (scaled by the engine-wide trend between the levels).

@@ -235,24 +235,26 @@ def test_the_cost_table_is_non_decreasing_and_extrapolates_from_its_upper_half()
     assert noisy(96) < 0.6 * 2
 
 
-def test_online_readings_move_the_level_not_what_a_verify_row_costs():
-    """Decode rounds at batch 8 read 40 ms above the table (contexts longer than the calibration's): the
-    model learns that level, and a verify row's price (the table's slope) stays the measured one. Moving the
-    observed row count's point alone, as the model once did, priced rows 9-23 alike at batch 8."""
+def test_online_readings_scale_the_table_so_a_verify_row_keeps_its_share_of_a_round():
+    """Decode rounds at batch 8 read 1.5x the table (a core shared with other threads, longer contexts than the
+    calibration's): the model learns that scale for every row count, so a verify row costs the same share of
+    a plain round as measured and the plan's choices (extra seconds priced at the batch's tokens per second)
+    do not move. An additive level did move them: a plain round read slow made verify rows look cheap. Moving
+    the observed row count's point alone, as the model once did, priced rows 9-23 alike at batch 8."""
     table = {r: (40 + 2.5 * r) * MS for r in range(1, 65)}
     cost = CostModel(table, per_request=1 * MS, draft_rows={1: 3 * MS, 64: 10 * MS})
-    before = cost.target(8, 16) - cost.target(8, 8)
-    real = cost.target(8, 8) + 40 * MS
+    share = (cost.target(8, 16) - cost.target(8, 8)) / cost.target(8, 8)
+    real = cost.target(8, 8) * 1.5
     for _ in range(100):
         cost.observe_target(8, 8, real)
     assert cost.target(8, 8) == pytest.approx(real, rel=0.01)
-    assert cost.target(8, 16) - cost.target(8, 8) == pytest.approx(before)
-    assert cost.level == pytest.approx(5 * MS, rel=0.01)
+    assert (cost.target(8, 16) - cost.target(8, 8)) / cost.target(8, 8) == pytest.approx(share)
+    assert cost.scale == pytest.approx(1.5, rel=0.01)
     cost.observe_target(8, 8, 10.0)  # a descheduled round: its pull is bounded
     assert cost.target(8, 8) < 1.15 * real
     frozen = CostModel(table, per_request=1 * MS, draft_rows=None, frozen=True)
     frozen.observe_target(8, 8, real)
-    assert frozen.level == 0.0
+    assert frozen.scale == 1.0
 
 
 def test_deferred_catch_up_counts_against_speculating():
@@ -385,3 +387,17 @@ def test_adaptive_eagle_tree_is_lossless(tiny, tmp_path):
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_a_box_slowed_alike_for_target_and_draft_plans_the_same_rounds(batch):
+    """A decode server whose core is shared (under PD: its HTTP and transfer threads, the router) runs every
+    forward 2x slower than its startup table: the plan must not change, since what a round buys and what it
+    costs moved alike. Under an additive per-request level the slow plain round made verify rows look cheap
+    and D speculated where it lost (PD TPOT above non-spec)."""
+    ids = [f"r{i}" for i in range(batch)]
+    for rate in (0.2, 0.35, 0.5, 0.65, 0.8):
+        fast = policy_with(memory_bound(), rate=rate, ids=ids)
+        slow = policy_with(memory_bound(), rate=rate, ids=ids)
+        slow.cost.scale, slow.cost.draft_scale = 2.0, 2.0
+        assert slow.plan(ids) == fast.plan(ids), rate

@@ -77,6 +77,19 @@ def pd_cluster(engine_args: list[str], backend: str):
             yield router, p, d
 
 
+def cluster_configs(args) -> dict[str, tuple[str, list[str]]]:
+    """config name -> (unified | pd, every server's engine arguments)."""
+    base = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
+            "--engine-priority", args.engine_priority]
+    spec = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
+        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else [])  # none: the defaults
+    return {"unified": ("unified", base), "unified_spec": ("unified", base + spec),
+            "pd": ("pd", base), "pd_spec_both": ("pd", base + spec + ["--draft-mode", "both"]),
+            "pd_spec_decode_only": ("pd", base + spec + ["--draft-mode", "decode-only"]),
+            # the effect of --engine-priority, side by side (the flag's last value wins)
+            "pd_normal_priority": ("pd", base + ["--engine-priority", "normal"])}
+
+
 # -- client ------------------------------------------------------------------------------------------
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
     await asyncio.sleep(delay)
@@ -254,20 +267,12 @@ def main() -> int:
     mixed_prompts, mixed_delays = short + long_prompts, delays + long_delays
     short_idx = list(range(len(short)))
 
-    base_args = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
-                 "--engine-priority", args.engine_priority]
-    spec_args = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
-        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else [])  # none: the defaults
-    configs = {"unified": ("unified", []), "unified_spec": ("unified", spec_args),
-               "pd": ("pd", []), "pd_spec_both": ("pd", spec_args + ["--draft-mode", "both"]),
-               "pd_spec_decode_only": ("pd", spec_args + ["--draft-mode", "decode-only"]),
-               # the effect of --engine-priority, side by side (the flag's last value wins)
-               "pd_normal_priority": ("pd", ["--engine-priority", "normal"])}
+    configs = cluster_configs(args)
 
     def run_config(name: str):
-        kind, extra = configs[name]
+        kind, engine_args = configs[name]
         log(f"== {name}")
-        cm = unified_cluster(base_args + extra) if kind == "unified" else pd_cluster(base_args + extra, args.backend)
+        cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend)
         with cm as urls:
             url = urls[0]
             warm = run_workload(url, short[:2], [0, 0], 4)  # first-request costs out of the measurement

@@ -82,7 +82,8 @@ def cluster_configs(args) -> dict[str, tuple[str, list[str]]]:
     base = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
             "--engine-priority", args.engine_priority]
     spec = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
-        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else [])  # none: the defaults
+        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else []) + \
+        args.spec_extra.split()  # none: the defaults
     return {"unified": ("unified", base), "unified_spec": ("unified", base + spec),
             "pd": ("pd", base), "pd_spec_both": ("pd", base + spec + ["--draft-mode", "both"]),
             "pd_spec_decode_only": ("pd", base + spec + ["--draft-mode", "decode-only"]),
@@ -229,6 +230,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default="default")
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
+    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. '--no-spec-ngram'")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
     ap.add_argument("--max-tokens", type=int, default=64)

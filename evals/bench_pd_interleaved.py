@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default="default")
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--spec-steps", type=int, default=None)
+    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. '--no-spec-ngram'")
     ap.add_argument("--engine-priority", choices=("normal", "low"), default="low")
     ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
     ap.add_argument("--num-requests", type=int, default=16)

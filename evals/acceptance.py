@@ -141,7 +141,8 @@ def main() -> int:
     for name in args.configs.split(","):
         steps, topk, tokens = CONFIGS[name]
         spec = SpecConfig(args.algorithm, draft_model=args.draft_model, spec_num_steps=steps, spec_topk=topk,
-                          spec_num_draft_tokens=tokens, spec_adaptive=False)  # the head's acceptance at this shape
+                          spec_num_draft_tokens=tokens, spec_adaptive=False,
+                          spec_ngram=False)  # the head's acceptance at this shape, alone
         results[name] = {}
         for dataset, prompts in datasets.items():
             results[name][dataset] = {}

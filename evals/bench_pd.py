@@ -9,7 +9,7 @@ priority: on a core the engine owns, a KV write otherwise waits for the schedule
 
 Workloads, greedy, ignore_eos (every request generates --max-tokens tokens), streamed (usage included):
   short  N held-out ShareGPT prompts (first human turn, chat template), Poisson arrivals at --rate req/s
-  mixed  the same plus --num-long prompts of --long-len tokens (ShareGPT text) arriving among them; the
+  mixed  N more such prompts plus --num-long prompts of --long-len tokens (ShareGPT text) arriving among them; the
          figure of merit is the short requests' TPOT p99 (prefill of a long prompt stalls unified decode)
   TTFT = first streamed token - send; TPOT = (last token - first token) / (tokens - 1), per request.
 KV transfer: the prefill server's counters (bytes, seconds inside the transfer backend, descriptors) give
@@ -230,7 +230,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default="default")
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
-    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. '--no-spec-ngram'")
+    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -257,7 +257,14 @@ def main() -> int:
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
     tok = load_checkpoint("default").tokenizer
-    short = held_out_sharegpt_prompts(tok, args.num_requests)
+    # prompts of their own for the warm-up, the measured short pass and the mixed pass: a cluster never
+    # sees a prompt twice, so neither P's prefix cache nor D's n-gram store (which holds recent outputs)
+    # answers a request from an earlier pass's copy of it
+    pool = held_out_sharegpt_prompts(tok, 3 * args.num_requests + 2)
+    if len(pool) < 3 * args.num_requests + 2:
+        raise SystemExit(f"--num-requests {args.num_requests}: only {len(pool)} held-out prompts")
+    short, warm_short, mixed_short, first = (pool[:args.num_requests], pool[args.num_requests:2 * args.num_requests],
+                                             pool[2 * args.num_requests:3 * args.num_requests], pool[-2:])
     long_prompts, _ = real_text_prompts(tok, args.num_long, args.long_len)
     rng = random.Random(0)
     delays, t = [], 0.0
@@ -266,8 +273,8 @@ def main() -> int:
         t += rng.expovariate(args.rate)
     # the long prompts arrive a third and two thirds into the short stream
     long_delays = [delays[len(delays) * (i + 1) // (args.num_long + 1)] + 0.01 for i in range(args.num_long)]
-    mixed_prompts, mixed_delays = short + long_prompts, delays + long_delays
-    short_idx = list(range(len(short)))
+    mixed_prompts, mixed_delays = mixed_short + long_prompts, delays + long_delays
+    short_idx = list(range(len(mixed_short)))
 
     configs = cluster_configs(args)
 
@@ -277,10 +284,10 @@ def main() -> int:
         cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend)
         with cm as urls:
             url = urls[0]
-            warm = run_workload(url, short[:2], [0, 0], 4)  # first-request costs out of the measurement
+            warm = run_workload(url, first, [0, 0], 4)  # first-request costs out of the measurement
             assert all("error" not in r for r in warm), warm
             if args.warm_pass:  # a fresh cluster's first pass runs slower for every config: measure the next one
-                warm = run_workload(url, short, delays, args.max_tokens)
+                warm = run_workload(url, warm_short, delays, args.max_tokens)
                 assert all("error" not in r for r in warm), warm
             p_url = urls[1] if kind == "pd" else None
             before = httpx.get(p_url + "/server_info").json() if p_url else {}
@@ -294,7 +301,7 @@ def main() -> int:
             d_info = httpx.get(urls[2] + "/server_info").json() if p_url else httpx.get(url + "/server_info").json()
         entry = {"short": summarize(rows_short), "mixed_all": summarize(rows_mixed),
                  "mixed_short_only": summarize(rows_mixed, short_idx),
-                 "mixed_long_only": summarize(rows_mixed, list(range(len(short), len(mixed_prompts))))}
+                 "mixed_long_only": summarize(rows_mixed, list(range(len(mixed_short), len(mixed_prompts))))}
         if p_url:
             entry["kv_short"], entry["kv_mixed"] = kv_delta(before, mid), kv_delta(mid, after)
             entry["kv_all"] = kv_delta(before, after)

@@ -10,10 +10,11 @@ the short workload (a fresh cluster's first passes read slower), then the short 
 times per config. The order rotates per cycle (ABBA for two configs), so a pass of one config is never
 more than one pass (~35 s) away from the other's.
 
-Short workload as in bench_pd.py: held-out ShareGPT prompts at --rate req/s (Poisson), greedy, ignore_eos,
---max-tokens each, streamed; TPOT per request = (last token - first token) / (tokens - 1), p50 per pass.
-Ratio per cycle: a spec config's TPOT p50 over non-spec PD's in the same cycle; median, min and max.
-Outputs of every pass must equal non-spec PD's (lossless); D's free pages must be back to total.
+Short workload as in bench_pd.py: --num-requests held-out ShareGPT prompts at --rate req/s (Poisson),
+greedy, ignore_eos, --max-tokens each, streamed; a fresh set of prompts for every warm pass and every
+cycle (all configs of a cycle get the same set). TPOT per request = (last token - first token) / (tokens - 1),
+p50 per pass. Ratio per cycle: a spec config's TPOT p50 over non-spec PD's in the same cycle; median, min
+and max. Outputs must equal non-spec PD's on the same set (lossless); D's free pages must be back to total.
 
   python evals/bench_pd_interleaved.py --configs pd,pd_spec_decode_only,pd_spec_both --passes 6
         -> evals/results/pd_interleaved.json
@@ -62,7 +63,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default="default")
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--spec-steps", type=int, default=None)
-    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. '--no-spec-ngram'")
+    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
     ap.add_argument("--engine-priority", choices=("normal", "low"), default="low")
     ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
     ap.add_argument("--num-requests", type=int, default=16)
@@ -79,10 +80,17 @@ def main() -> int:
         raise SystemExit("only PD configs (pd, pd_spec_both, pd_spec_decode_only, pd_normal_priority)")
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
-    prompts = held_out_sharegpt_prompts(load_checkpoint("default").tokenizer, args.num_requests)
+    # a set of prompts for each warm pass and each cycle, the same set for every config in a cycle: a
+    # cluster never sees a prompt twice, so D's n-gram store (recent outputs, on by default with an EAGLE
+    # head) never answers a request from its own earlier copy, nor P's prefix cache from a repeat
+    n_sets = args.warm + args.passes
+    pool = held_out_sharegpt_prompts(load_checkpoint("default").tokenizer, n_sets * args.num_requests)
+    if len(pool) < n_sets * args.num_requests:
+        raise SystemExit(f"{n_sets} sets of {args.num_requests} prompts: only {len(pool)} held-out prompts")
+    sets = [pool[i * args.num_requests:(i + 1) * args.num_requests] for i in range(n_sets)]
     rng = random.Random(0)
     delays, t = [], 0.0
-    for _ in prompts:
+    for _ in range(args.num_requests):
         delays.append(t)
         t += rng.expovariate(args.rate)
     t_start = time.perf_counter()
@@ -95,11 +103,11 @@ def main() -> int:
         pids = {n: server_pids(list(u[1:])) for n, u in urls.items()}
         for n in names:
             for w in range(args.warm):
-                rows = run_workload(urls[n][0], prompts, delays, args.max_tokens)
+                rows = run_workload(urls[n][0], sets[w], delays, args.max_tokens)
                 assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r][:3]
                 log(f"   warm {n} {w}: TPOT p50 {summarize(rows)['tpot_p50_s'] * 1e3:.0f} ms")
-        reference = None
         for cycle in range(args.passes):
+            prompts, tokens_of = sets[args.warm + cycle], {}
             k = cycle % len(names)
             order = names[k:] + names[:k] if len(names) > 2 else (names if cycle % 2 == 0 else names[::-1])
             for n in order:
@@ -110,18 +118,17 @@ def main() -> int:
                 rows = run_workload(urls[n][0], prompts, delays, args.max_tokens)
                 wall = time.perf_counter() - t0
                 s = summarize(rows)
-                tokens = [r.get("tokens") for r in rows]
-                if n == names[0] and reference is None:
-                    reference = tokens
+                tokens_of[n] = [r.get("tokens") for r in rows]
                 passes.append({"cycle": cycle, "config": n, "tpot_p50_ms": s["tpot_p50_s"] * 1e3,
                                "tpot_p99_ms": s["tpot_p99_s"] * 1e3, "ttft_p50_ms": s["ttft_p50_s"] * 1e3,
                                "tau": s.get("tau"), "num_errors": s["num_errors"], "wall_s": wall,
                                "server_cpu_s": cpu_seconds(pids[n]) - own0,
-                               "idle_clusters_cpu_s": cpu_seconds([p for m in others for p in pids[m]]) - idle0,
-                               "same_tokens_as_reference": reference is None or tokens == reference})
+                               "idle_clusters_cpu_s": cpu_seconds([p for m in others for p in pids[m]]) - idle0})
                 p = passes[-1]
                 log(f"   cycle {cycle} {n}: TPOT p50 {p['tpot_p50_ms']:.0f} ms  tau {p['tau'] or 1:.2f}  "
                     f"errors {p['num_errors']}  idle clusters {p['idle_clusters_cpu_s']:.1f} cpu-s")
+            for p in passes[-len(names):]:  # lossless: the same tokens as the reference config, same prompts
+                p["same_tokens_as_reference"] = tokens_of[p["config"]] == tokens_of[names[0]]
         finals = {}
         for n in names:
             d_info = httpx.get(urls[n][2] + "/server_info").json()
@@ -136,8 +143,8 @@ def main() -> int:
                                                         "cycles": per, "below_1": sum(r < 1 for r in per)}
     report = {"benchmark": "pd_interleaved", "description": __doc__.split("\n\n")[0],
               "command": "python " + " ".join(sys.argv), "backend": args.backend, "configs": names,
-              "engine_args": {n: table[n][1] for n in names}, "num_requests": len(prompts),
-              "prompt_tokens": [len(p) for p in prompts], "rate_req_per_s": args.rate,
+              "engine_args": {n: table[n][1] for n in names}, "num_requests": args.num_requests,
+              "prompt_tokens_per_set": [[len(p) for p in ps] for ps in sets], "rate_req_per_s": args.rate,
               "max_tokens": args.max_tokens, "warm_passes": args.warm, "passes": passes, "ratios": ratios,
               "tpot_p50_ms_median": {n: median([p["tpot_p50_ms"] for p in passes if p["config"] == n]) for n in names},
               "lossless": all(p["same_tokens_as_reference"] for p in passes),

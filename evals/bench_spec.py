@@ -409,7 +409,7 @@ def eagle_costs(ckpt, prompt: list[int], reference: list[int], num_pages: int, a
     for label, vocab in (("full_vocab", None), ("draft_vocab_8192", 8192)):
         with tempfile.TemporaryDirectory() as d:
             random_draft_checkpoint(d, "eagle", target_cfg, seed=0, draft_vocab_size=vocab)
-            spec = SpecConfig("eagle", draft_model=d, spec_num_steps=SPEC_STEPS)
+            spec = SpecConfig("eagle", draft_model=d, spec_num_steps=SPEC_STEPS, spec_ngram=False)
             bench = Bench(f"eagle-{label}", ckpt, spec, (), num_pages, args.dtype)
         bench.run([prompt[:32]], 6)  # warmup
         prof = profile_rounds(bench, prompt, args.profile_rounds, 1.0, None)

@@ -98,7 +98,7 @@ def main() -> None:
     prompts = extraction_prompts(ckpt.tokenizer, max(args.batch_sizes))
     configs = {"base": SpecConfig(),
                "tree8": SpecConfig("eagle3", draft_model="default", spec_num_steps=3, spec_topk=4,
-                                   spec_num_draft_tokens=8, spec_adaptive_pinned=True)}
+                                   spec_num_draft_tokens=8, spec_adaptive_pinned=True, spec_ngram=False)}
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, constraint_kind="json_schema",
                                  constraint_spec=json.dumps(EXTRACT))
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

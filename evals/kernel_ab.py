@@ -31,7 +31,7 @@ prompts = chat_prompts(ckpt.tokenizer, 40)
 params = SamplingParams(max_tokens=64, temperature=0.0)
 for b, reps in ((1, 3), (8, 2)):
     engines = {"non_torch": mk(SpecConfig(), False), "non_kernel": mk(SpecConfig(), True),
-               "eagle3_kernel": mk(SpecConfig("eagle3", draft_model="default"), True)}
+               "eagle3_kernel": mk(SpecConfig("eagle3", draft_model="default", spec_ngram=False), True)}
     rat = {n: [] for n in engines}
     for rep in range(reps):
         ps = prompts[rep * b:(rep + 1) * b] if b == 1 else prompts[10 + rep * b:10 + (rep + 1) * b]

@@ -31,10 +31,11 @@ def run_trained(args) -> None:
     num_pages = max_batch * -(-(longest + args.output_len + 32) // 16) + 8
     alg, draft = args.algorithm, args.draft_model
     configs = {"base": SpecConfig(),
-               f"{alg}_chain_s{args.spec_steps}": SpecConfig(alg, draft_model=draft, spec_num_steps=args.spec_steps),
+               f"{alg}_chain_s{args.spec_steps}": SpecConfig(
+                   alg, draft_model=draft, spec_num_steps=args.spec_steps, spec_ngram=False),
                f"{alg}_tree_k{args.tree_topk}_t{args.tree_tokens}": SpecConfig(
                    alg, draft_model=draft, spec_num_steps=args.spec_steps, spec_topk=args.tree_topk,
-                   spec_num_draft_tokens=args.tree_tokens)}
+                   spec_num_draft_tokens=args.tree_tokens, spec_ngram=False)}
     benches = {name: Bench(name, ckpt, spec, (), num_pages, args.dtype) for name, spec in configs.items()}
     names = list(benches)
     for bench in benches.values():  # warmup

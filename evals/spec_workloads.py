@@ -90,14 +90,17 @@ WORKLOADS = {"chat": chat_prompts, "code": lambda tok, n, split="held_out": huma
 def configs(random_head: str) -> dict[str, SpecConfig]:
     return {
         "non_spec": SpecConfig(),
-        "eagle3": SpecConfig("eagle3", draft_model="default"),
-        "eagle3_fixed": SpecConfig("eagle3", draft_model="default", spec_adaptive=False),
-        "mtp": SpecConfig("mtp", draft_model="default"),
+        # a draft model alone (--no-spec-ngram); the EAGLE family's default merges n-grams in: "hybrid"
+        "eagle3": SpecConfig("eagle3", draft_model="default", spec_ngram=False),
+        "eagle3_fixed": SpecConfig("eagle3", draft_model="default", spec_ngram=False, spec_adaptive=False),
+        "mtp": SpecConfig("mtp", draft_model="default", spec_ngram=False),
         "ngram": SpecConfig("ngram"),
         "ngram_fixed": SpecConfig("ngram", spec_adaptive=False),
-        "hybrid": SpecConfig("eagle3", draft_model="default", spec_ngram=True),
-        "random_eagle3": SpecConfig("eagle3", draft_model=random_head),
-        "random_eagle3_fixed": SpecConfig("eagle3", draft_model=random_head, spec_adaptive=False),
+        "hybrid": SpecConfig("eagle3", draft_model="default"),  # `--speculative-algorithm eagle3` as shipped
+        "mtp_hybrid": SpecConfig("mtp", draft_model="default"),
+        "random_eagle3": SpecConfig("eagle3", draft_model=random_head, spec_ngram=False),  # a useless draft
+        "random_eagle3_fixed": SpecConfig("eagle3", draft_model=random_head, spec_ngram=False, spec_adaptive=False),
+        "random_hybrid": SpecConfig("eagle3", draft_model=random_head),
     }
 
 

@@ -49,7 +49,7 @@ def main() -> None:
         engines = {"non_spec": LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=512)), checkpoint=ckpt)}
         for s, k, t in SHAPES[alg]:
             spec = SpecConfig(alg, draft_model=None if alg == "ngram" else "default", spec_num_steps=s, spec_topk=k,
-                              spec_num_draft_tokens=t)
+                              spec_num_draft_tokens=t, spec_ngram=False)  # a head's own shape
             engines[f"S{s}_K{k}_T{t}"] = LLMEngine(EngineConfig(model="default", spec=spec,
                                                                 cache=CacheConfig(num_pages=512)), checkpoint=ckpt)
         ratios = {n: [] for n in engines if n != "non_spec"}

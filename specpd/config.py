@@ -96,6 +96,7 @@ class SchedulerConfig:
 
 SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "ngram", "replay")
 MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, nothing for P to run
+EAGLE_FAMILY = ("eagle", "eagle3", "mtp")  # a draft model over the target's hidden states; hybrid by default
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
 # engine (README "Speculation that pays"); adaptive speculation then trims each round per request
@@ -127,9 +128,11 @@ class SpecConfig:
     # learning, so a request's rounds depend on its own history alone (PD and unified then agree)
     spec_adaptive_pinned: bool = False
     # n-gram drafting (specpd/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
-    # tree with spec_ngram (hybrid); contexts of min..max match tokens; a store of recent outputs
-    # shared across requests bounded to spec_ngram_store_tokens tokens (0: off)
-    spec_ngram: bool = False
+    # tree (hybrid); contexts of min..max match tokens; a store of recent outputs shared across requests
+    # bounded to spec_ngram_store_tokens tokens (0: off). spec_ngram None (the default): hybrid for an
+    # EAGLE-family algorithm, the best configuration measured (README "Speculation that pays"); False:
+    # the draft model alone
+    spec_ngram: bool | None = None
     spec_ngram_min_match: int = 2
     spec_ngram_max_match: int = 8
     spec_ngram_store_tokens: int = 65536
@@ -143,8 +146,15 @@ class SpecConfig:
         return self.speculative_algorithm in MODEL_FREE_ALGORITHMS
 
     @property
+    def hybrid(self) -> bool:
+        """n-gram candidates merged into the draft model's tree (--spec-ngram; on by default for EAGLE-family)."""
+        if self.spec_ngram is None:
+            return self.speculative_algorithm in EAGLE_FAMILY
+        return self.spec_ngram
+
+    @property
     def _shape(self) -> tuple[int, int, int]:
-        return DEFAULT_SHAPES.get("hybrid" if self.spec_ngram else self.speculative_algorithm, (4, 1, 5))
+        return DEFAULT_SHAPES.get("hybrid" if self.hybrid else self.speculative_algorithm, (4, 1, 5))
 
     @property
     def num_steps(self) -> int:
@@ -176,7 +186,7 @@ class SpecConfig:
         if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
             raise ValueError(f"a chain of {self.num_steps} steps has at most {self.num_steps + 1} tokens, "
                              f"got spec_num_draft_tokens={self.num_draft_tokens}")
-        if self.spec_ngram and self.speculative_algorithm not in ("eagle", "eagle3", "mtp"):
+        if self.spec_ngram and self.speculative_algorithm not in EAGLE_FAMILY:
             raise ValueError(f"spec_ngram merges n-gram candidates into an EAGLE-family tree; "
                              f"speculative_algorithm is {self.speculative_algorithm!r} (use 'ngram' alone)")
         if not 1 <= self.spec_ngram_min_match <= self.spec_ngram_max_match:

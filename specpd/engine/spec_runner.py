@@ -326,7 +326,7 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         if pool.num_layers == cfg.num_layers + draft.config.num_layers:
             shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
-        if spec.spec_ngram:
+        if spec.hybrid:
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
     spec_runner = SpecRunner(runner, proposer)
     if spec.spec_adaptive:

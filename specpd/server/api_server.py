@@ -300,8 +300,12 @@ class _Handlers:
         # included, engine-wide since start (None before the first verify or without speculation)
         internal = {"avg_spec_accept_length": stats.get("spec_accept_length"),
                     "spec_verify_count": stats.get("spec_verify_count", 0)}
+        spec = self.engine.config.spec
+        # the shape and drafters in force (the config holds None where the defaults apply)
+        resolved = {"algorithm": spec.speculative_algorithm, "hybrid": spec.hybrid, "num_steps": spec.num_steps,
+                    "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens} if spec.enabled else None
         return {**stats, "role": self.role, "model": self.model_name, "max_model_len": self.engine.max_model_len,
-                "config": self.engine.config.to_dict(), "pid": os.getpid(),
+                "config": self.engine.config.to_dict(), "speculative": resolved, "pid": os.getpid(),
                 "free_pages": stats.get("free_pages"), "total_pages": stats.get("total_pages"),
                 "engine_alive": self.async_engine.alive, "num_queued": self.async_engine.num_queued,
                 **({"pd_stages": self.engine.stages.summary()} if hasattr(self.engine, "stages") else {}),

@@ -46,7 +46,9 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a 
          "enable_prefix_caching": "reuse the KV of cached prompt prefixes (radix cache; also "
                                   "--disable-prefix-caching, SGLang's --disable-radix-cache)",
          "draft_mode": "PD with a draft model: 'both' (P runs the draft extend and sends the draft KV) or "
-                       "'decode-only' (P sends the target hidden states, D runs the draft extend)"}
+                       "'decode-only' (P sends the target hidden states, D runs the draft extend)",
+         "spec_ngram": "merge n-gram candidates into the draft model's tree (hybrid; default: on for eagle, "
+                       "eagle3 and mtp; --no-spec-ngram drafts with the head alone)"}
 
 
 # -- engine flags from the config dataclasses ------------------------------------------------
@@ -79,7 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for name in path:
             default = getattr(default, name)
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        help_text = _HELP.get(f.name, f.name.replace('_', ' ')) + ("" if default is None and flag_type is bool
+                                                                    else f" (default: {default})")
         if flag_type is bool:
             group.add_argument(flag, dest="engine." + ".".join(path), action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)

@@ -1,7 +1,7 @@
 """PD over real processes with the drafters of «speculation that pays»: ngram (lives on D only; P runs no
-draft) and adaptive EAGLE-3 in both draft modes. Outputs always equal the unified engine's; with the
-policy pinned (fixed cost table, no engine-wide learning) and the n-gram store off, D's acceptance
-counts equal unified's request by request; free pages return to their totals."""
+draft) and adaptive EAGLE-3 in both draft modes, as hybrid (its default) and the head alone. Outputs always
+equal the unified engine's; with the policy pinned (fixed cost table, no engine-wide learning) and the
+n-gram store off, D's acceptance counts equal unified's request by request; free pages return to totals."""
 import httpx
 import pytest
 
@@ -48,14 +48,16 @@ CASES = [  # (name, spec flags, SpecConfig kwargs, pinned)
      True),
     ("ngram-adaptive", ["--speculative-algorithm", "ngram", "--spec-ngram-min-match", "1"],
      dict(speculative_algorithm="ngram", spec_ngram_min_match=1), False),
-    ("eagle3-both", ["--speculative-algorithm", "eagle3", "--spec-num-steps", "3", "--spec-topk", "2",
-                     "--spec-num-draft-tokens", "5", "--draft-mode", "both", "--spec-adaptive-pinned"],
+    # EAGLE-3 as shipped merges n-grams into the head's tree (hybrid, on D only), here with the store off
+    ("eagle3-hybrid-both", ["--speculative-algorithm", "eagle3", "--spec-num-steps", "3", "--spec-topk", "2",
+                            "--spec-num-draft-tokens", "5", "--draft-mode", "both", "--spec-adaptive-pinned",
+                            "--spec-ngram-min-match", "1", "--spec-ngram-store-tokens", "0"],
      dict(speculative_algorithm="eagle3", spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=5,
-          draft_mode="both", spec_adaptive_pinned=True), True),
-    ("eagle3-decode-only", ["--speculative-algorithm", "eagle3", "--spec-num-steps", "3", "--draft-mode",
-                            "decode-only", "--spec-adaptive-pinned"],
-     dict(speculative_algorithm="eagle3", spec_num_steps=3, draft_mode="decode-only", spec_adaptive_pinned=True),
-     True),
+          draft_mode="both", spec_adaptive_pinned=True, spec_ngram_min_match=1, spec_ngram_store_tokens=0), True),
+    ("eagle3-head-alone-decode-only", ["--speculative-algorithm", "eagle3", "--spec-num-steps", "3", "--draft-mode",
+                                       "decode-only", "--spec-adaptive-pinned", "--no-spec-ngram"],
+     dict(speculative_algorithm="eagle3", spec_num_steps=3, draft_mode="decode-only", spec_adaptive_pinned=True,
+          spec_ngram=False), True),
 ]
 
 

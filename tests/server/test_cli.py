@@ -51,3 +51,23 @@ def test_prefix_caching_is_on_by_default_and_every_anchor_spelling_turns_it_off(
     assert config_from_args(parser.parse_args(["serve"])).cache.enable_prefix_caching is True
     for flag in ("--disable-prefix-caching", "--disable-radix-cache", "--no-enable-prefix-caching"):
         assert config_from_args(parser.parse_args(["serve", flag])).cache.enable_prefix_caching is False, flag
+
+
+def test_an_eagle_family_head_merges_ngrams_by_default_and_no_spec_ngram_runs_it_alone():
+    """`--speculative-algorithm eagle3` is the hybrid (the best measured); --no-spec-ngram the head alone."""
+    import pytest
+
+    from specpd.config import DEFAULT_SHAPES, SpecConfig
+
+    def spec(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).spec.validate()
+
+    for alg in ("eagle", "eagle3", "mtp"):
+        shipped = spec("--speculative-algorithm", alg, "--draft-model", "default")
+        assert shipped.hybrid and (shipped.num_steps, shipped.topk, shipped.num_draft_tokens) == DEFAULT_SHAPES["hybrid"]
+        alone = spec("--speculative-algorithm", alg, "--draft-model", "default", "--no-spec-ngram")
+        assert not alone.hybrid and (alone.num_steps, alone.topk, alone.num_draft_tokens) == DEFAULT_SHAPES[alg]
+    assert not spec("--speculative-algorithm", "ngram").hybrid  # n-grams alone: nothing to merge into
+    assert not spec().hybrid
+    with pytest.raises(ValueError, match="spec_ngram merges"):
+        spec("--speculative-algorithm", "ngram", "--spec-ngram")

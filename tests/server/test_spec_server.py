@@ -58,6 +58,9 @@ def test_metrics_and_server_info_export_acceptance(server):
     assert info["spec_verify_count"] >= 1
     assert info["spec_rounds"] >= info["spec_verify_count"] and sum(info["spec_draft_tokens_hist"]) == info["spec_rounds"]
     assert info["free_pages"] == info["total_pages"]
+    # what is in force: an EAGLE-family head merges n-grams in by default
+    assert info["speculative"] == {"algorithm": "eagle", "hybrid": True, "num_steps": 3, "topk": 2,
+                                   "num_draft_tokens": 5}
 
 
 def test_streaming_with_speculation(server):

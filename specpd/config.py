@@ -103,8 +103,9 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (evals/tune_spec_defaults.py on training-split prompts: EAGLE-3 (the 1.4M-token head) and MTP ->
 # evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
 # chain of 4)
-# "hybrid" (any EAGLE family with spec_ngram) keeps the shape its floor was measured with: with EAGLE-3's
-# S=2 K=4 T=5 the hybrid lost 7% at batch 8 (evals/results/spec_floor_avx2_v3_b8_b16.json)
+# "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape) keeps the
+# shape its floor was measured with: with EAGLE-3's S=2 K=4 T=5 the hybrid lost 7% at batch 8
+# (evals/results/spec_floor_avx2_v3_b8_b16.json)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (3, 2, 6), "replay": (4, 1, 5)}
 

@@ -203,14 +203,14 @@ def test_a_prefill_whose_engine_died_falls_silent(model_dir):
 
 
 def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_nothing():
-    """Real P and D processes on the default model, a heartbeat timeout of 0.3 s and a batch of 1,500-token
+    """Real P and D processes on the default model, a heartbeat timeout of 0.3 s and a batch of 600-token
     prompts whose prefill steps take seconds: every request completes, D saw P busy, pages come back."""
     from specpd.model.loader import load_checkpoint
     from specpd.server.launch import free_port
     from tests.disagg.test_pd_e2e import servers, wait_free_pages
     ckpt = load_checkpoint("default")
     text = " ".join(f"Item {i} of the inventory is a {['red', 'green', 'blue'][i % 3]} box." for i in range(200))
-    prompt = ckpt.tokenizer.encode(text, add_special_tokens=False)[:1500]
+    prompt = ckpt.tokenizer.encode(text, add_special_tokens=False)[:600]  # a prefill step: seconds, not 0.3 s
     boot = free_port()
     args = ["--model", "default", "--num-threads", "1", "--transfer-backend", "tcp"]
     specs = [["--role", "prefill", "--bootstrap-port", str(boot), *args],

@@ -172,7 +172,8 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
     cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
     random_draft_checkpoint(str(tmp_path), algorithm, cfg, seed=1)
     spec = SpecConfig(algorithm, draft_model=str(tmp_path), spec_num_steps=3, spec_topk=topk,
-                      spec_num_draft_tokens=num_tokens, draft_mode=mode, spec_adaptive=False)
+                      spec_num_draft_tokens=num_tokens, draft_mode=mode, spec_adaptive=False,
+                      spec_ngram=False)  # the head's own proposals (hybrid under PD: test_pd_spec_policy)
     unified = make_engine(spec_model_dir, spec=spec)
     want_trees = record_trees(unified)
     expected = unified.generate(PROMPTS, GREEDY)

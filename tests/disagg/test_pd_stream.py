@@ -35,7 +35,8 @@ MAX_TOKENS = 10
 
 def spec_args(eagle_dir, mode) -> list[str]:
     return ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
-            "--draft-mode", mode, "--no-spec-adaptive", "--chunked-prefill-size", str(CHUNK)]
+            "--draft-mode", mode, "--no-spec-adaptive", "--chunked-prefill-size", str(CHUNK),
+            "--spec-ngram-store-tokens", "0"]  # hybrid (the default) without the shared store: D sees each prompt twice
 
 
 def body(prompt: list[int], boot: int, room: int) -> dict:
@@ -60,7 +61,8 @@ def test_streamed_chunks_match_unified(model_dir, eagle_dir, mode, backend):  # 
              ["--role", "prefill", "--bootstrap-port", str(boots[1]), "--no-pd-optimistic-prefill",
               "--no-pd-stream-chunks", *both],
              ["--role", "decode", "--pd-local-prefill-tokens", "0", *both]]
-    spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, draft_mode=mode, spec_adaptive=False)
+    spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, draft_mode=mode, spec_adaptive=False,
+                      spec_ngram_store_tokens=0)
     engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128), spec=spec,
                                     scheduler=SchedulerConfig(chunked_prefill_size=CHUNK)))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -15,10 +15,12 @@ QUESTIONS = ["What is the capital of France?", "Name a city in Japan.", "What is
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 # (seeded sampling is not compared: cached KV was computed in another request's prefill, with other matmul
 # row counts, so its last bits may differ, and a sample near a threshold can flip; greedy is robust to that)
+# EAGLE-3 as shipped (hybrid: n-grams merged in) with the shared n-gram store off, so a request's rounds
+# do not depend on which requests an engine served before it
 SPECS = {"none": SpecConfig(),
          "chain": SpecConfig("eagle3", draft_model="default", spec_num_steps=3, spec_topk=1,
-                             spec_adaptive_pinned=True),
-         "tree": SpecConfig("eagle3", draft_model="default", spec_adaptive_pinned=True),
+                             spec_adaptive_pinned=True, spec_ngram_store_tokens=0),
+         "tree": SpecConfig("eagle3", draft_model="default", spec_adaptive_pinned=True, spec_ngram_store_tokens=0),
          "ngram": SpecConfig("ngram", spec_adaptive_pinned=True)}
 
 

@@ -243,7 +243,8 @@ def test_train_draft_end_to_end(setup, reference, tmp_path, algorithm, vocab):
     assert keys[0] == keys[1]
 
     engine = LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=4, num_pages=128),
-                                    spec=SpecConfig(algorithm, draft_model=out, spec_num_steps=3, spec_adaptive=False)))
+                                    spec=SpecConfig(algorithm, draft_model=out, spec_num_steps=3, spec_adaptive=False,
+                                                    spec_ngram=False)))  # the trained head alone
     draft = engine.spec_runner.proposer.draft
     assert draft.draft_vocab_size == (vocab or cfg.vocab_size)
     assert load_draft_model(out, algorithm, engine.runner.model, cfg).aux_layer_ids == draft.aux_layer_ids

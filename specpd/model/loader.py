@@ -4,7 +4,7 @@
 dict whatever the source, so model code only knows one layout:
   - "default"           -> the SmolLM2-135M-Instruct GGUF (specpd.model.default)
   - a directory         -> config.json + *.safetensors (sharded or not) + tokenizer files
-  - a *.gguf file       -> specpd.model.gguf_loader
+  - a *.gguf file       -> specpd.model.gguf_loader (its converted copy after the first load: gguf_cache)
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint
     if os.path.isdir(resolved):
         config, weights, tokenizer = _load_hf_dir(resolved, dtype)
     elif resolved.endswith(".gguf"):
-        from specpd.model.gguf_loader import load_gguf
-        config, weights, tokenizer = load_gguf(resolved, dtype)
+        from specpd.model.gguf_cache import load_gguf_cached
+        config, weights, tokenizer = load_gguf_cached(resolved, dtype)
     else:
         raise ValueError(f"cannot load {resolved!r}: expected a model directory or a .gguf file")
     if config.get("tie_word_embeddings"):

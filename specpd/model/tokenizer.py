@@ -232,6 +232,21 @@ class Tokenizer:
                    chat_template=value("tokenizer.chat_template"),
                    extra_eos_token_ids=[i for i in extra_eos if i is not None])
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything this tokenizer was built from, as JSON: `from_state` rebuilds it exactly (the
+        converted-checkpoint cache, specpd.model.gguf_cache, keeps a GGUF's tokenizer this way)."""
+        return {"backend": self._backend.to_str(), "bos_token_id": self._bos_token_id,
+                "eos_token_id": self._eos_token_id, "add_bos_token": self.add_bos_token,
+                "chat_template": self._chat_template, "eos_token_ids": list(self._eos_token_ids),
+                "special_tokens": self._special_tokens}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "Tokenizer":
+        return cls(_BackendTokenizer.from_str(state["backend"]), bos_token_id=state["bos_token_id"],
+                   eos_token_id=state["eos_token_id"], add_bos_token=state["add_bos_token"],
+                   chat_template=state["chat_template"], extra_eos_token_ids=state["eos_token_ids"],
+                   special_tokens=state["special_tokens"])
+
     # ---- encode / decode ------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -4,6 +4,7 @@ Oracles are transformers' own loaders: its GGUF dequantize + q/k reverse
 permutation, its GGUF tokenizer and apply_chat_template, and save_pretrained
 for HF directories.
 """
+import json
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from specpd.model.default import GGUF_NAME, ensure_default_model, resolve_model_path
+from specpd.model.gguf_cache import converted_dir
 from specpd.model.gguf_loader import permute_qk, unpermute_qk
 from specpd.model.loader import load_checkpoint
 from specpd.model.tokenizer import Tokenizer
@@ -230,9 +232,12 @@ def test_hf_dir_round_trip(tmp_path, kind, tie):
 # ---- GGUF files written from tiny HF models ----------------------------------
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_gguf_round_trip(tmp_path, kind):
+def test_gguf_round_trip(tmp_path, kind, monkeypatch):
     """Write a tiny model the way llama.cpp's converter does (llama: q/k rows
-    permuted; qwen: not) and read it back to the HF weights."""
+    permuted; qwen: not) and read it back to the HF weights: from the GGUF, then from
+    the converted copy the first load left (specpd.model.gguf_cache), then from the GGUF
+    again once that copy is damaged."""
+    monkeypatch.setenv("SPECPD_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
     model = _tiny(kind, tie=(kind == "qwen2"))
     cfg = model.config
@@ -276,14 +281,39 @@ def test_gguf_round_trip(tmp_path, kind):
     writer.write_tensors_to_file()
     writer.close()
 
-    ckpt = load_checkpoint(str(tmp_path / "tiny.gguf"))
+    path = str(tmp_path / "tiny.gguf")
     expected = {k: v for k, v in state.items()
                 if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    assert set(ckpt.weights) == set(expected)
-    for name, tensor in expected.items():
-        assert torch.equal(ckpt.weights[name], tensor), name
-    got = ckpt.hf_config
-    assert got["model_type"] == kind and got["head_dim"] == head_dim
-    assert got["attention_bias"] == (kind == "qwen2")
-    assert got["tie_word_embeddings"] == cfg.tie_word_embeddings
-    assert got["rope_theta"] == 12345.0 and ckpt.tokenizer is None
+    copy = converted_dir(path)
+    assert not os.path.exists(copy)
+    for source in ("gguf", "converted copy", "damaged copy"):
+        if source == "damaged copy":
+            with open(os.path.join(copy, "model.safetensors"), "r+b") as f:
+                f.write(b"\xff" * 16)
+        ckpt = load_checkpoint(path)
+        assert os.path.isdir(copy), source
+        assert set(ckpt.weights) == set(expected), source
+        for name, tensor in expected.items():
+            assert torch.equal(ckpt.weights[name], tensor), (source, name)
+        got = ckpt.hf_config
+        assert got["model_type"] == kind and got["head_dim"] == head_dim
+        assert got["attention_bias"] == (kind == "qwen2")
+        assert got["tie_word_embeddings"] == cfg.tie_word_embeddings
+        assert got["rope_theta"] == 12345.0 and ckpt.tokenizer is None
+
+
+def test_tokenizer_state_rebuilds_the_same_tokenizer(smollm):
+    """The converted copy keeps a GGUF's tokenizer as Tokenizer.to_state(): it must encode, decode,
+    template and end generation exactly as the one built from the GGUF."""
+    tok = smollm.tokenizer
+    again = Tokenizer.from_state(json.loads(json.dumps(tok.to_state())))
+    for text in ("Hello world!", "<|im_start|>user\nhi<|im_end|>", "  tabs\tand 12345 ünïcødé 🙂",
+                 "def f(x):\n    return x ** 2\n"):
+        ids = tok.encode(text)
+        assert again.encode(text) == ids and again.encode(text, add_special_tokens=False) == tok.encode(
+            text, add_special_tokens=False)
+        assert again.decode(ids) == tok.decode(ids) and again.decode(ids, False) == tok.decode(ids, False)
+    for attr in ("bos_token_id", "eos_token_id", "eos_token_ids", "all_special_ids", "vocab_size", "chat_template"):
+        assert getattr(again, attr) == getattr(tok, attr), attr
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert again.apply_chat_template(messages) == tok.apply_chat_template(messages)

@@ -28,22 +28,32 @@ GROUP_COST_PAGES = 64  # what one more padded SDPA call costs, in rows x pages g
 
 def group_by_pages(pages: list[int], call_cost: int = GROUP_COST_PAGES) -> list[list[int]]:
     """Split sequences (their KV lengths in pages) into padded batches minimising
-    sum(len(batch) * max pages in batch) + call_cost per batch; returns index lists (exact DP over
-    the sequences sorted by length: contiguous runs of the sorted order are optimal)."""
+    sum(len(batch) * max pages in batch) + call_cost per batch; returns index lists. Exact DP over the
+    sequences sorted by length, whose optimum is contiguous runs of that order and never splits
+    sequences of equal length (moving such a cut to the end of their run costs no more): so the DP runs
+    over the distinct lengths, O(distinct^2) — a 1024-request batch of one length is one step, not 10^6."""
     order = sorted(range(len(pages)), key=lambda i: pages[i])
-    n = len(order)
-    best = [0] + [None] * n  # best[j]: cost of the first j sorted sequences
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        top = pages[order[j - 1]]
-        for i in range(j):
-            cost = best[i] + (j - i) * top + call_cost
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append([order[k] for k in range(cut[j], j)])
-        j = cut[j]
+    lengths: list[int] = []  # distinct lengths, ascending
+    ends: list[int] = []  # ends[r]: sequences of the first r + 1 lengths
+    for k, i in enumerate(order):
+        if lengths and pages[i] == lengths[-1]:
+            ends[-1] = k + 1
+        else:
+            lengths.append(pages[i])
+            ends.append(k + 1)
+    starts = [0] + ends
+    best = [0] + [None] * len(lengths)  # best[r]: cost of the sequences of the first r lengths
+    cut = [0] * (len(lengths) + 1)
+    for r in range(1, len(lengths) + 1):
+        top, end = lengths[r - 1], ends[r - 1]
+        for q in range(r):
+            cost = best[q] + (end - starts[q]) * top + call_cost
+            if best[r] is None or cost < best[r]:
+                best[r], cut[r] = cost, q
+    groups, r = [], len(lengths)
+    while r > 0:
+        groups.append(order[starts[cut[r]]:ends[r - 1]])
+        r = cut[r]
     return groups[::-1]
 
 

@@ -173,3 +173,32 @@ def test_torch_backend_groups_rows_by_kv_length(q_lens, kv_lens, groups):
     out = backend.forward(q, k_new, v_new, LAYER, plan)
     torch.testing.assert_close(out, reference(pool, meta, q, d ** -0.5), **TOL[torch.float32])
     assert group_by_pages([3, 3, 3]) == [[0, 1, 2]] and group_by_pages([1, 500, 2]) == [[0, 2], [1]]
+
+
+def _grouping_cost(pages: list[int], groups: list[list[int]], call_cost: int) -> int:
+    return sum(len(g) * max(pages[i] for i in g) + call_cost for g in groups)
+
+
+def _best_cost_over_every_sequence(pages: list[int], call_cost: int) -> int:
+    """The reference: the DP over single sequences (every cut of the sorted order allowed)."""
+    top = sorted(pages)
+    best = [0] + [None] * len(top)
+    for j in range(1, len(top) + 1):
+        best[j] = min(best[i] + (j - i) * top[j - 1] + call_cost for i in range(j))
+    return best[-1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouping_by_length_runs_is_as_good_as_by_sequence(seed):
+    """group_by_pages cuts only between distinct lengths: on ragged batches full of ties its grouping
+    costs exactly what the optimum over every cut costs, and covers every sequence once."""
+    from specpd.attention.torch_backend import group_by_pages
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 60, (1,), generator=gen))
+    spread = [3, 40, 400][seed % 3]
+    pages = torch.randint(1, spread + 1, (n,), generator=gen).tolist()
+    for call_cost in (1, 64, 500):
+        groups = group_by_pages(pages, call_cost)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        assert _grouping_cost(pages, groups, call_cost) == _best_cost_over_every_sequence(pages, call_cost)
+    assert group_by_pages([7] * 1024) == [list(range(1024))]

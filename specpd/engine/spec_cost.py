@@ -22,15 +22,30 @@ class PiecewiseLinear:
             raise ValueError("a cost table needs at least one measured point")
         self.xs = sorted(points)
         self.ys = [float(points[x]) for x in self.xs]
+        self._slope = 0.0  # past the last point
+        if len(self.xs) > 1:
+            half = (self.xs[-1] - self.xs[0]) / 2
+            self._slope = max(0.0, (self.ys[-1] - self._inside(self.xs[0] + half)) / half)
+        self._memo: dict[float, float] = {}  # the policy prices the same few row counts many times a round
 
     def __call__(self, x: float) -> float:
+        y = self._memo.get(x)
+        if y is None:
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            y = self._memo[x] = self._eval(x)
+        return y
+
+    def _eval(self, x: float) -> float:
         xs, ys = self.xs, self.ys
         if len(xs) == 1:
             return ys[0] * max(x, 1) / max(xs[0], 1)
         if x > xs[-1]:
-            mid = self(xs[0] + (xs[-1] - xs[0]) / 2)
-            slope = max(0.0, (ys[-1] - mid) / ((xs[-1] - xs[0]) / 2))
-            return ys[-1] + slope * (x - xs[-1])
+            return ys[-1] + self._slope * (x - xs[-1])
+        return self._inside(x)
+
+    def _inside(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
         i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))

@@ -355,3 +355,52 @@ def test_adaptive_eagle_tree_is_lossless(tiny, tmp_path):
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
+
+
+@pytest.mark.parametrize("shadow,frozen", [(False, True), (True, True), (True, False)])
+def test_the_idle_shortcut_plans_what_the_full_search_plans(shadow, frozen, monkeypatch):
+    """While every request sits at depth 0 the policy skips its search (nothing it reads moved, catch-ups only
+    grew): round by round, through probes, outcomes, a request leaving and one arriving, a batch of useless
+    drafts and good ones must get exactly the plans (and probes) of a policy that searches every round."""
+    import random
+    rng = random.Random(0)
+
+    def make() -> AdaptivePolicy:
+        cost = memory_bound()
+        cost.frozen = frozen
+        policy = AdaptivePolicy(3, 2, 6, cost, frozen=frozen, shadow=shadow)
+        for rid, rate in (("u0", 0.0), ("u1", 0.0), ("u2", 0.05), ("g", 0.95)):
+            st = policy._get(rid)
+            for d in range(3):
+                st.attempted[d], st.accepted[d] = 20.0, 20.0 * rate
+        return policy
+
+    fast, full = make(), make()
+    full._idle_holds = lambda key, pending: False
+    ids, pending, shortcuts, woke = ["u0", "u1", "u2"], [0, 0, 0], 0, 0
+    for rnd in range(300):
+        if rnd == 150:  # a request finishes, a good one arrives
+            for p in (fast, full):
+                p.release("u1")
+            ids, pending = ["u0", "u2", "g"], [pending[0], pending[2], 0]
+        key = (tuple(ids), 0, 0, fast._observed)
+        shortcuts += fast._idle_holds(key, pending)
+        plans = fast.plan(ids, 0, 0, pending)
+        assert plans == full.plan(ids, 0, 0, pending), rnd
+        woke += rnd < 150 and plans[ids.index("u2")][0] > 0
+        assert fast.shadow_probes == full.shadow_probes and fast.last_draft_s == full.last_draft_s, rnd
+        probes = set(fast.shadow_probes)
+        for i, (rid, (steps, _)) in enumerate(zip(ids, plans)):
+            if steps > 0 or rid in probes:
+                # u2's text turns copyable at round 60: its probes start to hit, and it must start speculating
+                rate = 0.9 if rid == "g" or (rid == "u2" and rnd >= 60) else 0.02
+                depth, hit = max(steps, 1), rng.random() < rate
+                for p in (fast, full):
+                    p.observe(rid, depth, int(hit), top_path=int(hit), shadow=rid in probes)
+                pending[i] = 0
+            else:
+                for p in (fast, full):
+                    p.observe(rid, 0, 0)
+                pending[i] += 1
+    assert shortcuts > 100  # the shortcut was taken, most rounds of the useless batch
+    assert woke > 0 or not frozen  # and it let go once u2's probes kept hitting (unfrozen: the budget spaces them)

@@ -35,7 +35,7 @@ from specpd.engine.spec_calibration import calibrate
 from specpd.engine.spec_cost import CostModel
 from specpd.engine.spec_policy import AdaptivePolicy
 from specpd.verify.greedy import verify_greedy
-from specpd.verify.rejection import verify_tree
+from specpd.verify.rejection import verify_trees
 
 
 class SpecRunner:
@@ -112,6 +112,12 @@ class SpecRunner:
         if policy is not None and len(decode) == len(items):  # a prefill chunk's rows are not a round's
             policy.cost.observe_target(len(items), len(ids), target_s)
         # -- 2. sample / verify ------------------------------------------------------------
+        tree_logits, row = [], 0  # (item, tree, its nodes' logits) per decode item
+        for it, q in zip(items, q_lens):
+            if it.spec_decode:
+                tree_logits.append((it, trees[id(it)], logits[row:row + q]))
+            row += q if it.spec_decode else int(it.samples)
+        verdicts = iter(self._verify_all(tree_logits, suppress))
         results: list[SampledTokens] = []
         extends: list[DraftExtend] = []
         offset = row = 0
@@ -120,7 +126,7 @@ class SpecRunner:
             offset += q
             if it.spec_decode:
                 tree = trees[id(it)]
-                res, ext, path = self._verify(it, tree, logits[row:row + q], features[rows], suppress)
+                res, ext, path = self._commit(it, tree, *next(verdicts), features[rows], suppress)
                 row += q
                 if policy is not None:
                     if it.request.request_id in shadow:
@@ -276,21 +282,37 @@ class SpecRunner:
         ext = _prompt_extend(it, token_ids, features)
         return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
-    def _verify(self, it: ScheduledItem, tree, logits, features, suppress):
-        """logits [T, vocab] fp32 at the tree's nodes; returns the result, the draft extend and the accepted path."""
+    def _verify_all(self, tree_logits: list, suppress) -> list[tuple[list[int], int, torch.Tensor | None]]:
+        """(accepted path, bonus token, raw logits for logprobs or None) per (item, tree, logits [T, vocab] fp32 at
+        the tree's nodes): greedy trees by argmax; sampled ones in one batch (one process_logits over all their
+        nodes, one verify_trees; each request's coins from its own generator, in batch order)."""
+        runner = self.runner
+        out: list = [None] * len(tree_logits)
+        sampled = []
+        for j, (it, tree, logits) in enumerate(tree_logits):
+            req = it.request
+            if req.grammar is not None:  # every node against the target masked by the grammar state at that node
+                mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
+            raw = logits.clone() if req.params.logprobs is not None else None
+            if req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id):
+                out[j] = (*verify_greedy(tree, logits.argmax(dim=-1)), raw)
+            else:
+                sampled.append(j)
+                out[j] = (None, None, raw)
+        if sampled:
+            rows = [self._row(tree_logits[j][0], tree_path_tokens(tree_logits[j][1], node), suppress)
+                    for j in sampled for node in range(tree_logits[j][1].num_nodes)]
+            probs = process_logits(torch.cat([tree_logits[j][2] for j in sampled]), rows)
+            gens = [runner.generator_for(tree_logits[j][0].request) or runner.shared_generator for j in sampled]
+            for j, result in zip(sampled, verify_trees([tree_logits[j][1] for j in sampled], probs, gens)):
+                out[j] = (result.accepted_nodes, result.bonus_token, out[j][2])
+        return out
+
+    def _commit(self, it: ScheduledItem, tree, path: list[int], bonus: int, raw, features, suppress):
+        """The verdict on one tree: its accepted path's KV moved next to the root; returns the result, the draft
+        extend and the accepted path."""
         req = it.request
         runner = self.runner
-        if req.grammar is not None:  # every node against the target masked by the grammar state at that node
-            mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
-        want_logprobs = req.params.logprobs is not None
-        raw = logits.clone() if want_logprobs else None
-        if req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id):
-            path, bonus = verify_greedy(tree, logits.argmax(dim=-1))
-        else:
-            rows = [self._row(it, tree_path_tokens(tree, node), suppress) for node in range(len(tree.tokens))]
-            probs = process_logits(logits, rows)
-            result = verify_tree(tree, probs, runner.generator_for(req) or runner.shared_generator)
-            path, bonus = result.accepted_nodes, result.bonus_token
         nodes = [0] + path
         tokens = [int(tree.tokens[n]) for n in path] + [bonus]
         moves = path_slot_moves(req.pages, it.start, nodes, runner.kv_pool.page_size)
@@ -299,7 +321,7 @@ class SpecRunner:
             compact = compact_kv if buffer.is_cuda else compact_kv_ref  # Triton on GPU, torch on CPU
             compact(buffer, *(torch.tensor(m, device=buffer.device) for m in moves))
         logprobs = [None] * len(tokens)
-        if want_logprobs:
+        if raw is not None:
             logprobs = compute_logprobs(raw[nodes], tokens, [self._row(it, [], suppress)] * len(nodes))
         ext = DraftExtend(req, it.start, tokens, features[nodes], at_end=True)
         # a root-only tree (adaptive depth 0) was a plain decode step, not a verify: tau counts verifies only

@@ -1,0 +1,118 @@
+"""Where a round at depth 0 spends its time, against non-spec: wall-clock timers around the engine's parts.
+
+`python evals/profile_depth0.py --configs non_spec hybrid random_hybrid --batch 8`
+  -> evals/results/profile_depth0.json
+The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one engine step each in turn, as
+`bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep. Each engine's
+step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends, and the
+finish-time settle are wrapped with timers; the JSON holds their milliseconds per engine step, the share of
+rounds at depth 0 and each rep's decode tok/s ratio to non-spec. The parts nest (a plain round holds its
+target forward, which holds the model forward), so they do not add up to the step.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import tempfile
+import time
+
+import torch
+
+from common import log, machine_info, versions, write_json
+from spec_workloads import chat_prompts, configs, lockstep_run
+
+from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from specpd.core import SamplingParams
+from specpd.draft.loader import random_draft_checkpoint
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model.loader import load_checkpoint
+
+
+def timed(totals: collections.Counter, counts: collections.Counter, obj, attr: str, label: str) -> None:
+    """Wrap obj.attr so its wall time accumulates in totals[label]."""
+    f = getattr(obj, attr)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - t0
+            counts[label] += 1
+    setattr(obj, attr, wrapper)
+
+
+def instrument(engine: LLMEngine) -> tuple[collections.Counter, collections.Counter]:
+    totals, counts = collections.Counter(), collections.Counter()
+    parts = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
+             (engine, "_postprocess", "postprocess"), (engine.runner, "sample_items", "sample_items"),
+             (engine.runner.model, "forward", "model_forward"), (engine.runner.backend, "plan", "attention_plan")]
+    sr = engine.spec_runner
+    if sr is not None:
+        parts += [(sr, "_target_forward", "target_forward"), (sr, "_plain_round", "plain_round"),
+                  (sr, "_catch_up", "catch_up"), (sr, "settle_draft_kv", "settle_draft_kv"),
+                  (sr.proposer, "extend", "draft_extend"), (sr.proposer, "propose", "propose")]
+        if sr.policy is not None:
+            parts.append((sr.policy, "plan", "policy_plan"))
+    else:
+        parts.append((engine.runner, "build_inputs", "build_inputs"))
+    for obj, attr, label in parts:
+        timed(totals, counts, obj, attr, label)
+    return totals, counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["non_spec", "hybrid", "random_hybrid"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", default="evals/results/profile_depth0.json")
+    args = ap.parse_args()
+    if "non_spec" not in args.configs:
+        raise SystemExit("--configs must include non_spec (the ratios' reference)")
+    torch.set_num_threads(1)
+    ckpt = load_checkpoint("default")
+    head = tempfile.mkdtemp(prefix="random-eagle3-")
+    random_draft_checkpoint(head, "eagle3", ModelConfig.from_hf(ckpt.hf_config), seed=0, draft_vocab_size=8192)
+    all_cfgs = configs(head)
+    engines = {n: LLMEngine(EngineConfig(model="default", dtype="float32", spec=all_cfgs[n], num_threads=1,
+                                         cache=CacheConfig(page_size=16, num_pages=1024),
+                                         scheduler=SchedulerConfig(max_running_requests=args.batch)),
+                            checkpoint=ckpt) for n in args.configs}
+    timers = {n: instrument(e) for n, e in engines.items()}
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
+    prompts = chat_prompts(ckpt.tokenizer, args.batch * (args.reps + 1))
+    lockstep_run(engines, prompts[:args.batch], params, "warm")
+    for totals, counts in timers.values():
+        totals.clear()
+        counts.clear()
+    ratios = {n: [] for n in args.configs}
+    for rep in range(args.reps):
+        batch = prompts[args.batch * (rep + 1):args.batch * (rep + 2)]
+        out = lockstep_run(engines, batch, params, f"rep{rep}")
+        for n in args.configs:
+            if out[n]["tokens"] != out["non_spec"]["tokens"]:
+                raise AssertionError(f"{n}'s output differs from non-spec's")
+            ratios[n].append(out[n]["decode_tok_s"] / out["non_spec"]["decode_tok_s"])
+        log("rep", rep, {n: round(r[-1], 3) for n, r in ratios.items()})
+    result = {"meta": {"machine": machine_info(), "versions": versions(), "args": vars(args)}, "configs": {}}
+    for n, (totals, counts) in timers.items():
+        steps = counts["step"]
+        entry = {"steps": steps, "ratio_vs_non_spec": ratios[n],
+                 "ms_per_step": {k: 1e3 * v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+                 "calls": dict(counts)}
+        policy = engines[n].spec_runner.policy if engines[n].spec_runner is not None else None
+        if policy is not None:
+            entry["rounds_off_share"] = policy.stats.rounds_off / max(policy.stats.rounds, 1)
+        result["configs"][n] = entry
+        log(n, {k: round(v, 2) for k, v in entry["ms_per_step"].items()})
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -336,8 +336,8 @@ class AdaptivePolicy:
         shadow probe (its outcome is the draft's top-1 against the committed token, no tree)."""
         st = self._get(request_id)
         if proposed_depth <= 0:
-            if st.probing:
-                self._observed += 1  # it probes again next round: not the plan the idle shortcut kept  # the drafter had nothing to offer (an n-gram without a match): probe again next round
+            if st.probing:  # the drafter had nothing to offer (an n-gram without a match): probe again next round
+                self._observed += 1  # (not the plan the idle shortcut kept)
                 st.idle_rounds = st.probe_every
             return
         self._observed += 1

@@ -112,22 +112,22 @@ class SpecRunner:
         if policy is not None and len(decode) == len(items):  # a prefill chunk's rows are not a round's
             policy.cost.observe_target(len(items), len(ids), target_s)
         # -- 2. sample / verify ------------------------------------------------------------
-        tree_logits, row = [], 0  # (item, tree, its nodes' logits) per decode item
+        item_logits, row = [], 0  # per item: a tree's nodes' logits, a sampling prefill's last row's, or None
         for it, q in zip(items, q_lens):
-            if it.spec_decode:
-                tree_logits.append((it, trees[id(it)], logits[row:row + q]))
-            row += q if it.spec_decode else int(it.samples)
-        verdicts = iter(self._verify_all(tree_logits, suppress))
+            n = q if it.spec_decode else int(it.samples)
+            item_logits.append(logits[row:row + n] if n else None)
+            row += n
+        verdicts = iter(self._verify_all([(it, trees[id(it)], lg) for it, lg in zip(items, item_logits)
+                                          if it.spec_decode], suppress))
         results: list[SampledTokens] = []
         extends: list[DraftExtend] = []
-        offset = row = 0
-        for it, q in zip(items, q_lens):
+        offset = 0
+        for it, q, lg in zip(items, q_lens, item_logits):
             rows = slice(offset, offset + q)
             offset += q
             if it.spec_decode:
                 tree = trees[id(it)]
                 res, ext, path = self._commit(it, tree, *next(verdicts), features[rows], suppress)
-                row += q
                 if policy is not None:
                     if it.request.request_id in shadow:
                         self._observe_shadow(it.request, res.token_ids)
@@ -140,8 +140,7 @@ class SpecRunner:
                         ext = None
             else:
                 self._drop_deferred(it.request.request_id)  # a recompute (after preemption) starts over
-                res, ext = self._prefill(it, logits[row:row + 1] if it.samples else None, features[rows], suppress)
-                row += int(it.samples)
+                res, ext = self._prefill(it, lg, features[rows], suppress)
             results.append(res)
             if ext is not None:
                 extends.append(ext)

@@ -1,13 +1,14 @@
-"""Where a round at depth 0 spends its time, against non-spec: wall-clock timers around the engine's parts.
+"""Where a round at depth 0 spends its time, against non-spec: timers around the engine's parts.
 
 `python evals/profile_depth0.py --configs non_spec hybrid random_hybrid --batch 8`
   -> evals/results/profile_depth0.json
 The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one engine step each in turn, as
 `bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep. Each engine's
 step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends, and the
-finish-time settle are wrapped with timers; the JSON holds their milliseconds per engine step, the share of
-rounds at depth 0 and each rep's decode tok/s ratio to non-spec. The parts nest (a plain round holds its
-target forward, which holds the model forward), so they do not add up to the step.
+finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON holds
+their milliseconds per engine step, the share of rounds at depth 0 and each rep's decode tok/s ratio to
+non-spec. The parts nest (a plain round holds its target forward, which holds the model forward), so they
+do not add up to the step.
 """
 from __future__ import annotations
 

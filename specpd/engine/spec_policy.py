@@ -193,8 +193,8 @@ class AdaptivePolicy:
             # nothing an estimate or a price depends on moved since a search put everyone at depth 0, and the
             # catch-ups only grew (every option's cost grows with them): the search would say depth 0 again
             depth = [0] * n
-            self._probe(request_ids, depth, (None, pending, other_requests, other_rows))
-            return self._finish_plan(request_ids, depth, None, pending)
+            gains = self._probe(request_ids, depth, (None, pending, other_requests, other_rows))
+            return self._finish_plan(request_ids, depth, gains, pending)
         # an option k: depth k at full width, -k: depth k narrow; gains[i][k] indexes both (a narrow
         # depth's expectation sits at the list's end, so gains[i][-k] is it)
         gains = self._gains(request_ids)
@@ -256,7 +256,7 @@ class AdaptivePolicy:
 
     def _finish_plan(self, request_ids: list[str], depth: list[int], gains, pending: list[int]
                      ) -> list[tuple[int, int]]:
-        if gains is None and any(depth):  # the idle shortcut, and a probe: its round's estimates
+        if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
         self.last_draft_s = self._draft_time(depth, gains, pending)
         for rid, k in zip(request_ids, depth):
@@ -271,9 +271,10 @@ class AdaptivePolicy:
                      for g, r in zip(gains, request_ids)]
         return gains
 
-    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> None:
+    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> list[list[float]] | None:
         """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
-        engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only)."""
+        engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only).
+        Returns the round's estimates: extra's, or those a probe after the idle shortcut had to compute."""
         ready = []
         for i, rid in enumerate(request_ids):
             st = self._get(rid)
@@ -310,6 +311,7 @@ class AdaptivePolicy:
                 self.probe_credit -= trial - now
                 now = trial
             st.probing, st.idle_rounds = True, 0
+        return extra[0]
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
                     other_rows: int) -> float:

@@ -83,7 +83,10 @@ def _relayed(resp: httpx.Response, content: bytes) -> Response:
 
 def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                       bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, bootstrap_host: str | None = None,
-                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None) -> FastAPI:
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
+                      cluster_ready_file: str | None = None) -> FastAPI:
+    """cluster_ready_file: /health answers 503 until this file exists (`specpd serve --disagg` creates it once it
+    has printed its ready line and supervises the cluster: no client sees a 200 before that)."""
     prefill_urls, decode_urls = _urls(prefill_url), _urls(decode_url)
     pickers = (AffinityPicker(prefill_urls), AffinityPicker(decode_urls))
     state: dict = {"bootstrap": {}}  # P url -> (bootstrap host, port)
@@ -306,6 +309,10 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
 
     @app.get("/health")
     async def health():
+        if cluster_ready_file is not None and not state.get("cluster_ready"):
+            if not os.path.exists(cluster_ready_file):
+                return _error("cluster starting: the launcher has not declared it ready yet", 503)
+            state["cluster_ready"] = True
         answers = await ask_backends("/health", 10.0)
         bad = [f"{u}: {r!r}" if isinstance(r, Exception) else f"{u}: health {r.status_code}"
                for u, r in answers if isinstance(r, Exception) or r.status_code != 200]

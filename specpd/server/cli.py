@@ -132,7 +132,8 @@ def serve(args: argparse.Namespace) -> int:
         from specpd.server.admission import warn_if_open
         warn_if_open(args.host, args.api_key, "the router")
         app = create_router_app(args.prefill, args.decode, args.bootstrap_port,
-                                max_request_bytes=args.max_request_bytes, api_key=args.api_key)
+                                max_request_bytes=args.max_request_bytes, api_key=args.api_key,
+                                cluster_ready_file=args.cluster_ready_file)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=5))
         asyncio.run(_serve(server, args.host, args.port, "router", role="router"))
@@ -286,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode", metavar="URL", help="router: the decode server, e.g. http://127.0.0.1:8200")
     pd.add_argument("--disagg", metavar="NpMd",
                     help="run a PD cluster: N prefill + M decode servers and a router on --port (e.g. 1p1d)")
+    pd.add_argument("--cluster-ready-file", metavar="PATH",
+                    help="router: /health answers 503 until PATH exists (--disagg sets it: the router's /health "
+                         "is 200 only once the launcher has printed its ready line and supervises the cluster)")
     pd.add_argument("--prefill-port", type=int, help="--disagg: first prefill server's port (default: --port+1)")
     pd.add_argument("--decode-port", type=int, help="--disagg: first decode server's port (default: --port+1+N)")
     pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",

@@ -8,16 +8,20 @@
 2. Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
    on --bootstrap-port and up), M decode servers (HTTP on --decode-port (default --port+1+N) and up), each a
    `python -m specpd serve` process with every engine flag of this command line.
-3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them.
-   When it answers, the URL is printed. A child that dies during this first start fails the command.
-4. Supervision: a child that exits, or whose health check fails for HEALTH_GRACE_S in a row (P, D: /health
-   200 within HEALTH_TIMEOUT_S; the router: any answer of its own app, since its /health waits on and
-   reports its backends; a loaded server answers late, never that late), is stopped and started again with
-   the same command line (same ports) after a backoff (1, 2, 4 .. 30 s, reset once it stayed up STABLE_S),
-   each step logged. Meanwhile the router serves through the others and fails only the requests that need
-   the dead child (an HTTP error naming it). A restarted D comes back with an empty pool (P's rooms toward
-   the old D fail by the transfer rules); a restarted P has new control ports, which D re-resolves from
-   the bootstrap port once the old ones stop answering. A child that cannot come back MAX_FAILED_STARTS
+3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them, with
+   --cluster-ready-file: its /health answers 503 ("cluster starting") until that file exists. When the router's
+   app answers, the launcher prints the ready line and then creates the file, so nothing sees the router's
+   /health 200 before the ready line (a load balancer's probe, a test, a user's script). A child that dies or
+   never answers before it was ever healthy fails the command, naming it.
+4. Supervision, from the moment a child first answered its health check, whatever the others are doing (the
+   router may still be starting): a child that exits, or whose health check fails for HEALTH_GRACE_S in a row
+   (P, D: /health 200 within HEALTH_TIMEOUT_S; the router: any answer of its own app, since its /health waits
+   on and reports its backends; a loaded server answers late, never that late), is stopped and started again
+   with the same command line (same ports) after a backoff (1, 2, 4 .. 30 s, reset once it stayed up
+   STABLE_S), each step logged. Meanwhile the router serves through the others and fails only the requests
+   that need the dead child (an HTTP error naming it). A restarted D comes back with an empty pool (P's rooms
+   toward the old D fail by the transfer rules); a restarted P has new control ports, which D re-resolves
+   from the bootstrap port once the old ones stop answering. A child that cannot come back MAX_FAILED_STARTS
    times in a row stops the cluster.
 5. Ctrl-C / SIGTERM stops all children.
 """
@@ -25,16 +29,21 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
-HEALTH_INTERVAL_S = 2.0
+HEALTH_INTERVAL_S = 2.0  # between health checks of a child that is up
+STARTING_INTERVAL_S = 0.2  # between health checks of a child that is starting
+SUPERVISE_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 10.0  # a P or D busy with a burst on a shared box answered /health in > 5 s (pd_load)
 HEALTH_GRACE_S = 60.0  # failing this long in a row is a hung server, not a busy one
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -43,7 +52,7 @@ MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
 # flags this launcher sets itself per child; everything else is passed to every P and D
 _OWN_FLAGS = {"--disagg": 1, "--port": 1, "--role": 1, "--prefill-port": 1, "--decode-port": 1,
               "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1,
-              "--transfer-backend": 1, "--api-key": 1}  # the key guards the router only
+              "--transfer-backend": 1, "--api-key": 1, "--cluster-ready-file": 1}  # the key guards the router only
 _PROBE = ("from specpd.disagg.transfer import backend_available as a; ok, why = a('mooncake'); "
           "print('' if ok else why)")
 
@@ -144,6 +153,7 @@ class _Child:
         self.name = f"{self.role} {self.url}"
         self.proc: subprocess.Popen | None = None
         self.up = False  # answered its health check since the last (re)start
+        self.ever_up = False  # answered one since the launcher began: from then on a death is a restart case
         self.started_at = self.up_since = 0.0
         self.failing_since: float | None = None
         self.next_check = 0.0
@@ -154,29 +164,41 @@ class _Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd)
         self.started_at, self.up, self.failing_since, self.restart_at = time.monotonic(), False, None, None
+        self.next_check = 0.0
 
     def healthy(self) -> bool:
         return _answers(self.url) if self.role == "router" else _healthy(self.url)
 
     def supervise(self, now: float) -> None:
+        """One look at the child. Raises RuntimeError when the cluster must stop: a child that died or timed
+        out before it was ever healthy (a start-up failure), or one that failed to come back too often."""
+        if self.proc is None:
+            return  # not started yet (the router, until P and D are up)
         if self.restart_at is not None:
             if now >= self.restart_at:
                 _log(f"starting {self.name} again (restart {self.crashes})")
                 self.start()
             return
         if self.proc.poll() is not None:
+            if not self.ever_up:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during startup, before it "
+                                   f"ever answered its health check")
             self._restart(now, f"exited with {self.proc.returncode}")
             return
         if now < self.next_check:
             return
-        self.next_check = now + HEALTH_INTERVAL_S
+        # starting: look often (the ready line should follow the first answer closely); up: every interval
+        self.next_check = now + (HEALTH_INTERVAL_S if self.up else STARTING_INTERVAL_S)
         ok = self.healthy()
         if not self.up:
             if ok:
                 self.up, self.up_since, self.failed_starts = True, now, 0
-                if self.crashes:
+                if self.ever_up:
                     _log(f"{self.name} is back up")
+                self.ever_up = True
             elif now - self.started_at > STARTUP_TIMEOUT_S:
+                if not self.ever_up:
+                    raise RuntimeError(f"{self.name} not healthy {STARTUP_TIMEOUT_S:g} s after its start")
                 self._restart(now, f"not healthy {STARTUP_TIMEOUT_S:g} s after its start")
             return
         if ok:
@@ -194,6 +216,7 @@ class _Child:
             if self.failed_starts >= MAX_FAILED_STARTS:
                 raise RuntimeError(f"{self.name} {why}; it failed to come back {self.failed_starts} times in a row")
         _stop([self.proc], timeout_s=5.0)
+        self.up = False
         delay = BACKOFF_S[min(self.crashes, len(BACKOFF_S) - 1)]
         self.crashes += 1
         self.restart_at = now + delay
@@ -211,9 +234,12 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"specpd serve: {e}", file=sys.stderr)
         return 2
     transfer_backend = choose_transfer_backend(args.transfer_backend)
-    prefill, decode, router = child_commands(args, argv, transfer_backend)
+    prefill, decode, router_cmd = child_commands(args, argv, transfer_backend)
+    ready_dir = tempfile.mkdtemp(prefix="specpd-cluster-")
+    ready_file = os.path.join(ready_dir, "ready")
     servers = [_Child(cmd) for cmd in prefill + decode]
-    children = servers + [_Child(router)]
+    router = _Child(router_cmd + ["--cluster-ready-file", ready_file])
+    children = servers + [router]
 
     def stop(*_):
         raise _Stop
@@ -222,21 +248,23 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         for child in servers:
             child.start()
-        _wait_healthy(servers)
-        children[-1].start()
-        _wait_healthy(children[-1:], others=servers)
-        from specpd.server.cli import ready_message
-        model = args.argv[args.argv.index("--model") + 1] if "--model" in args.argv else "default"
-        print(f"specpd PD cluster ({args.disagg}, transfer backend {transfer_backend}): prefill "
-              f"{[_url(c) for c in prefill]} decode {[_url(c) for c in decode]}", flush=True)
-        print(ready_message(args.host, args.port, model), flush=True)
-        now = time.monotonic()
-        for child in children:
-            child.up, child.up_since, child.next_check = True, now, now + HEALTH_INTERVAL_S
+        ready = False
         while True:
+            now = time.monotonic()
             for child in children:
-                child.supervise(time.monotonic())
-            time.sleep(0.5)
+                child.supervise(now)
+            if router.proc is None and all(c.up for c in servers):
+                router.start()
+            if not ready and router.up:
+                from specpd.server.cli import ready_message
+                model = args.argv[args.argv.index("--model") + 1] if "--model" in args.argv else "default"
+                print(f"specpd PD cluster ({args.disagg}, transfer backend {transfer_backend}): prefill "
+                      f"{[_url(c) for c in prefill]} decode {[_url(c) for c in decode]}", flush=True)
+                print(ready_message(args.host, args.port, model), flush=True)
+                with open(ready_file, "w") as f:  # now the router's /health may answer 200
+                    f.write(f"{os.getpid()}\n")
+                ready = True
+            time.sleep(SUPERVISE_INTERVAL_S if ready else STARTING_INTERVAL_S)
     except _Stop:
         return 0
     except RuntimeError as e:
@@ -246,20 +274,7 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
         _stop([c.proc for c in children if c.proc is not None])
-
-
-def _wait_healthy(children: list[_Child], others: list[_Child] = ()) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    pending = list(children)
-    while pending:
-        for child in pending + list(others):
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode} during startup")
-        pending = [c for c in pending if not c.healthy()]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {STARTUP_TIMEOUT_S:g} s: {[c.name for c in pending]}")
-        if pending:
-            time.sleep(0.3)
+        shutil.rmtree(ready_dir, ignore_errors=True)
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 15.0) -> None:

@@ -14,6 +14,7 @@ keeps the pages (`take_handoff` / `release_handoff`); `add_prebuilt_request` com
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -29,6 +30,8 @@ from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -74,6 +77,7 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
+        logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -96,7 +100,8 @@ class LLMEngine:
                 "prefix_caching": self.prefix_cache is not None,
                 **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
                 **(self.spec_stats.as_dict() if self.config.spec.enabled else {}), **self._policy_stats(),
-                **(self._grammar.stats.as_dict() if self._grammar is not None else {})}
+                **(self._grammar.stats.as_dict() if self._grammar is not None else {}),
+                "runtime": self.runner.runtime_info()}
 
     @property
     def grammar(self):

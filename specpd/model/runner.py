@@ -16,6 +16,7 @@ from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.grammar.matcher import mask_logits
 from specpd.kv.pool import DTYPES, KVPool
+from specpd.machine import usable_cores
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
 from specpd.model.quant import check_config as check_quant_config
@@ -47,8 +48,9 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         check_quant_config(config)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-model setting
+        # process-wide (torch has no per-model setting); default: every core this process may use
+        self.num_threads = config.num_threads or usable_cores()
+        torch.set_num_threads(self.num_threads)
         torch.manual_seed(config.seed)
         with torch.device("meta"):
             model = CausalLM(self.model_config, max_model_len)
@@ -73,6 +75,12 @@ class ModelRunner:
         # PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these target
         # layers' inputs; (): the final hidden) of prefill-only requests for the handoff. None: keep nothing.
         self.handoff_capture: tuple[int, ...] | None = None
+
+    def runtime_info(self) -> dict:
+        """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""
+        from specpd.machine import isa
+        return {"num_threads": self.num_threads, "dtype": self.config.dtype, "device": str(self.device),
+                "cpu_isa": isa() if self.device.type == "cpu" else None}
 
     # -- per-request state -----------------------------------------------------------------
     def generator_for(self, request) -> torch.Generator | None:

@@ -5,7 +5,10 @@
 
 1. Transfer backend: `--transfer-backend` if given, else decided once here (mooncake where its engine loads,
    else tcp, with one line saying why) and passed explicitly to every P and D, so they never disagree.
-2. Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
+2. Threads: the cores this command may use are split between the children (specpd.machine.split_cores: an
+   even share each, the remainder to decode servers first; 1p1d on 2 cores: one torch thread each), passed as
+   --num-threads unless the command line gives --num-threads itself (then every child gets that).
+   Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
    on --bootstrap-port and up), M decode servers (HTTP on --decode-port (default --port+1+N) and up), each a
    `python -m specpd serve` process with every engine flag of this command line.
 3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them, with
@@ -39,6 +42,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from specpd.machine import split_cores, usable_cores
 
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
 HEALTH_INTERVAL_S = 2.0  # between health checks of a child that is up
@@ -103,9 +108,15 @@ def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: 
     pd = ["--transfer-backend", transfer_backend]
     p_port = args.prefill_port or args.port + 1
     d_port = args.decode_port or args.port + 1 + n_p
+    p_threads, d_threads = split_cores(usable_cores(), n_p, n_d)
+    given = any(a.split("=", 1)[0] == "--num-threads" for a in rest)  # the user's choice goes to every child
+
+    def threads(n: int) -> list[str]:
+        return [] if given else ["--num-threads", str(n)]
     prefill = [base + ["--role", "prefill", "--port", str(p_port + i), "--bootstrap-port",
-                       str(args.bootstrap_port + i)] + pd + rest for i in range(n_p)]
-    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + rest for j in range(n_d)]
+                       str(args.bootstrap_port + i)] + pd + threads(p_threads[i]) + rest for i in range(n_p)]
+    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + threads(d_threads[j]) + rest
+              for j in range(n_d)]
     p_urls = ",".join(f"http://{args.host}:{p_port + i}" for i in range(n_p))
     d_urls = ",".join(f"http://{args.host}:{d_port + j}" for j in range(n_d))
     router = base + ["--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,

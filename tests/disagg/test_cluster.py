@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from specpd.machine import usable_cores
 from specpd.server.cluster import child_commands, choose_transfer_backend
 from specpd.server.launch import REPO, free_port, tail
 from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
@@ -33,6 +34,13 @@ def test_children_get_the_launchers_transfer_backend():
         assert cmd[:3] == [sys.executable, "-m", "specpd"] and "--model" in cmd
     assert "--transfer-backend" not in router
     assert [c[c.index("--bootstrap-port") + 1] for c in prefill] == ["8998", "8999"]
+    # the cores are split between the children, each told its share (none without one)
+    threads = [int(c[c.index("--num-threads") + 1]) for c in prefill + decode]
+    assert all(t >= 1 for t in threads) and sum(threads) == max(usable_cores(), 3)
+    assert "--num-threads" not in router
+    given = argv + ["--num-threads", "4"]
+    prefill, decode, _ = child_commands(build_parser().parse_args(given), given[1:], "tcp")
+    assert all(c.count("--num-threads") == 1 and c[c.index("--num-threads") + 1] == "4" for c in prefill + decode)
 
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])

@@ -1,0 +1,76 @@
+"""What this machine offers the engine: usable cores, the CPU's native number formats, and the defaults they
+imply (threads, dtype). Plain Python (no torch), so the launcher can split cores between its children.
+
+The defaults are the best measured configuration on the machine a server starts on (DESIGN.md §4, §7):
+  - threads: every core this process may run on (its affinity mask); a `--disagg` cluster splits them
+    between its prefill and decode servers (`split_cores`);
+  - dtype: bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: oneDNN's bf16 GEMMs then cost
+    what reading the weights costs, at any row count up to 64), float32 elsewhere (AVX2 / AVX-512 without
+    BF16 convert bf16 in software: slower than fp32); float16 on a GPU would be a separate choice.
+Every explicit flag wins over these.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under taskset or a container cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa() -> str:
+    """The widest vector ISA the engine's CPU paths use: 'amx', 'avx512_bf16', 'avx512', 'avx2' or 'other'."""
+    flags = cpu_flags()
+    if {"amx_bf16", "amx_tile"} <= flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags and "fma" in flags:
+        return "avx2"
+    return "other"
+
+
+def native_bf16() -> bool:
+    """bf16 matmuls run in hardware (AMX tiles or AVX512-BF16 dot products)."""
+    return isa() in ("amx", "avx512_bf16")
+
+
+def default_dtype(device: str = "cpu") -> str:
+    if device != "cpu":
+        return "bfloat16"
+    return "bfloat16" if native_bf16() else "float32"
+
+
+def split_cores(cores: int, num_prefill: int, num_decode: int) -> tuple[list[int], list[int]]:
+    """Torch threads for each prefill and each decode server of a cluster sharing `cores`: an even share each,
+    at least one; cores left over go to the decode servers first (decode latency is what a user waits on
+    token by token). Each server's transfer and HTTP threads share its cores (README, --engine-priority), so
+    no server is given more threads than its share."""
+    servers = num_prefill + num_decode
+    if cores <= servers:
+        return [1] * num_prefill, [1] * num_decode
+    share, extra = divmod(cores, servers)
+    decode = [share + (1 if j < extra else 0) for j in range(num_decode)]
+    left = max(0, extra - num_decode)
+    prefill = [share + (1 if i < left else 0) for i in range(num_prefill)]
+    return prefill, decode

@@ -1,0 +1,24 @@
+"""specpd.machine: the cores a cluster's children share, and the defaults the machine implies."""
+import pytest
+
+from specpd.machine import default_dtype, isa, split_cores, usable_cores
+
+
+@pytest.mark.parametrize("cores,p,d,want", [
+    (2, 1, 1, ([1], [1])),  # this project's box: one thread each
+    (1, 1, 1, ([1], [1])),  # fewer cores than servers: never zero threads
+    (3, 1, 1, ([1], [2])),  # the remainder goes to decode first
+    (8, 1, 2, ([2], [3, 3])),
+    (7, 2, 2, ([2, 1], [2, 2])),
+    (16, 1, 1, ([8], [8])),
+])
+def test_split_cores(cores, p, d, want):
+    prefill, decode = split_cores(cores, p, d)
+    assert (prefill, decode) == want
+    assert sum(prefill) + sum(decode) == max(cores, p + d)
+
+
+def test_machine_defaults_are_consistent():
+    assert usable_cores() >= 1
+    assert isa() in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+    assert default_dtype("cpu") == ("bfloat16" if isa() in ("amx", "avx512_bf16") else "float32")

@@ -201,9 +201,11 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # auto: bfloat16 where the CPU computes it natively (AMX / AVX512-BF16), else float32 (specpd.machine)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
-    attention_backend: str = "torch"  # torch | triton | flashinfer
+    # auto: cpu (the fused C kernel) on a CPU with a C compiler, else torch; flashinfer, else triton, on a GPU
+    attention_backend: str = "auto"  # auto | cpu | torch | triton | flashinfer
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's context length
     # weight-only quantization of the decoder's linears and the LM head: none | int4 | int8
@@ -213,6 +215,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def resolved(self) -> "EngineConfig":
+        """This config with every 'auto' decided for this machine (specpd.machine); explicit values stay."""
+        from dataclasses import replace
+
+        from specpd import machine
+        dtype = machine.default_dtype(self.device) if self.dtype == "auto" else self.dtype
+        backend = (machine.default_attention_backend(self.device) if self.attention_backend == "auto"
+                   else self.attention_backend)
+        return replace(self, dtype=dtype, attention_backend=backend)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

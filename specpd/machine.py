@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 
 def usable_cores() -> int:
@@ -56,9 +57,26 @@ def native_bf16() -> bool:
 
 
 def default_dtype(device: str = "cpu") -> str:
+    """What `--dtype auto` (the default) means here. SPECPD_AUTO_DTYPE overrides it (the test suite pins
+    float32 that way: its references are fp32 HF outputs)."""
+    pinned = os.environ.get("SPECPD_AUTO_DTYPE")
+    if pinned:
+        return pinned
     if device != "cpu":
         return "bfloat16"
     return "bfloat16" if native_bf16() else "float32"
+
+
+def default_attention_backend(device: str = "cpu") -> str:
+    """What `--attention-backend auto` means: the fused C kernel on a CPU with a C compiler, else torch; on a
+    GPU FlashInfer where it is installed, else Triton."""
+    if device == "cpu":
+        if os.environ.get("SPECPD_C_KERNELS", "1") == "0":
+            return "torch"
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        return "cpu" if cc else "torch"
+    import importlib.util
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
 def split_cores(cores: int, num_prefill: int, num_decode: int) -> tuple[list[int], list[int]]:

@@ -1,7 +1,9 @@
 """Attention backend interface and registry.
 
 A backend is planned once per batch (`plan`) and then called once per layer (`forward`). `forward`
-writes the new tokens' K/V into the pool, then attends over the paged KV. Heavy backends are imported
+writes the new tokens' K/V into the pool, then attends over the paged KV. A backend may also take the
+layer's unrotated fused qkv and the step's RopeBatch (`attend(qkv, rope, layer_id, meta, rows)`), to fuse
+RoPE and the KV write into its kernel (the cpu backend); the model uses `attend` where a backend has it. Heavy backends are imported
 lazily so that `--attention-backend torch` never imports triton or flashinfer.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ class AttentionBackend(ABC):
 
 _BACKENDS = {
     "torch": "specpd.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "specpd.attention.cpu_backend:CpuAttentionBackend",
     "triton": "specpd.attention.triton_backend:TritonAttentionBackend",
     "flashinfer": "specpd.attention.flashinfer_backend:FlashInferAttentionBackend",
 }

@@ -23,6 +23,7 @@ from specpd.core import Request
 from specpd.draft.base import DraftModel
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.grammar.matcher import mask_after
+from specpd.kernels.cpu_linear import pack_linears
 from specpd.kv.pool import KVPool
 from specpd.model.llama import OutputRows
 from specpd.verify.tree import DraftTree, TreeBuilder, root_only
@@ -39,6 +40,8 @@ class EagleProposer(Proposer):
         self.pool = pool or KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
                                    cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
         self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            pack_linears(draft)  # serving only: prepacked for oneDNN, as the target's (no autograd after this)
         self._draft_ids: torch.Tensor | None = None  # [draft vocab] target ids (d2t), built when a grammar needs it
 
     @property

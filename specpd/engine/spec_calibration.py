@@ -98,23 +98,20 @@ def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
 
 
 def with_matmul_steps(model, table: dict[int, float], passes: int) -> dict[int, float]:
-    """The target's cost at every row count up to the table's last, where the packed CPU kernel runs the
-    decoder's matmuls: its cost steps where a row block or its stream count changes, and a sparse grid's
-    interpolation misses the steps, which is what speculating at batch 8 pays. Each count's value: the
-    forward's interpolation plus how far the matmuls at that count (one decoder layer's, timed, times the
-    layer count) lie from their own interpolation over the same grid."""
+    """The target's cost at every row count up to the table's last, on CPU: a GEMM library's cost steps where
+    its row blocking changes, and a sparse grid's interpolation misses the steps, which is what speculating at
+    batch 8 pays. Each count's value: the forward's interpolation plus how far the matmuls at that count (one
+    decoder layer's, timed, times the layer count) lie from their own interpolation over the same grid."""
     from specpd.engine.spec_cost import PiecewiseLinear
-    from specpd.kernels import cpu_gemm
-    from specpd.model.llama import MatmulLinear
     layer = model.layers[0]
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    if not all(isinstance(m, MatmulLinear) and m.weight_packed is not None for m in linears) \
-            or not cpu_gemm.available() or torch.get_num_threads() != 1:
+    dtype = layer.input_layernorm.weight.dtype
+    if layer.input_layernorm.weight.device.type != "cpu" or not all(hasattr(m, "in_features") for m in linears):
         return table
     top = max(table)
 
     def layer_matmuls(rows: int):
-        xs = [(m, torch.randn(rows, m.weight_t.shape[0])) for m in linears]
+        xs = [(m, torch.randn(rows, m.in_features).to(dtype)) for m in linears]
         return lambda: [m(x) for m, x in xs]
     t = fastest({r: layer_matmuls(r) for r in range(1, top + 1)}, passes)
     matmul = {r: len(model.layers) * s for r, s in t.items()}

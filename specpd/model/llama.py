@@ -16,7 +16,7 @@ from torch import nn
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import ModelConfig
-from specpd.kernels import cpu_gemm
+from specpd.kernels.cpu_linear import PackedLinear, mkldnn_ok, pack_linears
 
 
 class RMSNorm(nn.Module):
@@ -70,9 +70,39 @@ class Rotary(nn.Module):
         signed = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
         self.register_buffer("signed_sin", signed * attn_scale, persistent=False)  # [max_pos, D]
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, D] for the batch's positions; computed once per forward, used by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype), self.signed_sin[positions].unsqueeze(1).to(dtype))
+    def _apply(self, fn, recurse=True):
+        """A dtype cast of the model leaves the tables fp32 (fused kernels read them as such; per-token
+        copies are cast per step); a device move moves them."""
+        tables = (self.cos, self.signed_sin)
+        super()._apply(fn, recurse)
+        if not tables[0].is_meta:  # (a model built on meta gets its tables rebuilt after loading)
+            self.cos, self.signed_sin = (t.to(self.cos.device) for t in tables)
+        return self
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> "RopeBatch":
+        """The step's RoPE inputs (built once per forward, used by every layer)."""
+        return RopeBatch(positions, self.cos, self.signed_sin)
+
+
+@dataclass
+class RopeBatch:
+    """A step's positions and the fp32 RoPE tables. A backend with a fused kernel reads the tables at the
+    positions itself (`attend`); the others take the per-token cos / signed sin (`per_token`)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [max_pos, D] fp32, attention scaling folded in
+    signed_sin: torch.Tensor  # [max_pos, D] fp32, first half negated
+    _per_token: dict | None = None
+
+    def per_token(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, D] in `dtype` (computed once per step and dtype)."""
+        if self._per_token is None:
+            self._per_token = {}
+        got = self._per_token.get(dtype)
+        if got is None:
+            got = self._per_token[dtype] = (self.cos[self.positions].unsqueeze(1).to(dtype),
+                                            self.signed_sin[self.positions].unsqueeze(1).to(dtype))
+        return got
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -81,52 +111,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
-class MatmulLinear(nn.Module):
-    """nn.Linear with its weight stored transposed, [in, out] contiguous, applied as a plain `x @ W`.
-
-    On CPU, MKL runs the few-row GEMMs of decode and speculative verify markedly faster on this layout
-    than F.linear's [out, in] (evals/results/spec.json linear_microbench: a SmolLM2 forward over 5 rows
-    35 ms vs 51 ms, 8 rows 39 vs 72). `weight` stays readable as the usual [out, in] view.
-    fp32: also a copy packed for specpd.kernels.cpu_gemm (one more copy of the weight), which 2..64
-    rows (verify, batched decode) take: they then cost what 1 row costs, the weight read."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
-        self.weight_packed = packed_copy(self.weight_t)  # [panels, in, width] (cpu_gemm.pack_exact) or None
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_t.t()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_gemm.few_row_matmul(x, self.weight_t, self.weight_packed)
-        return out if self.bias is None else out + self.bias
-
-
 def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x); a plain nn.Linear (draft layers keep that layout) goes through cpu_gemm.linear."""
-    if type(layer) is nn.Linear:
-        return cpu_gemm.linear(x, layer.weight, layer.bias)
+    """layer(x) (a PackedLinear, a quantized linear, or a plain nn.Linear the model kept)."""
     return layer(x)
 
 
-def head_logits(x: torch.Tensor, head: nn.Linear | None, target: "CausalLM | None") -> torch.Tensor:
-    """A draft's logits [T, rows] fp32: its own head, or (head None) the target's, through the target's
-    transposed / packed copies when it has them (what F.linear(x, target.lm_head_weight) computes)."""
+def head_logits(x: torch.Tensor, head: nn.Module | None, target: "CausalLM | None") -> torch.Tensor:
+    """A draft's logits [T, rows] fp32: its own head, or (head None) the target's (what
+    F.linear(x, target.lm_head_weight) computes, through the target's packed copy when it has one)."""
     if head is not None:
-        return cpu_gemm.linear(x, head.weight).float()
-    if target.head_t is not None:
-        return cpu_gemm.few_row_matmul(x, target.head_t, target.head_packed).float()
-    return cpu_gemm.linear(x, target.lm_head_weight).float()
-
-
-def packed_copy(weight_t: torch.Tensor) -> torch.Tensor | None:
-    """The cpu_gemm panel layout of an [in, out] fp32 CPU weight, where the kernel runs; else None."""
-    if weight_t.dtype != torch.float32 or weight_t.device.type != "cpu" or not cpu_gemm.available():
-        return None
-    return cpu_gemm.pack_exact(weight_t.detach())
+        return head(x).float()
+    return target.compute_logits(x)
 
 
 @dataclass
@@ -150,16 +145,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata,
+    def forward(self, x, rope: "RopeBatch", backend: AttentionBackend, meta: AttentionMetadata,
                 rows: "OutputRows | None" = None):
         """rows: K/V of every row goes to the cache, the attention output only at rows.index (see OutputRows)."""
         qkv = apply_linear(self.qkv_proj, x).view(x.shape[0], -1, self.head_dim)  # [T, Hq + 2 * Hkv, D]
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.q_norm is None:
-            qk = qkv[:, :q_heads + kv_heads]
-        else:
-            qk = torch.cat([self.q_norm(qkv[:, :q_heads]), self.k_norm(qkv[:, q_heads:q_heads + kv_heads])], dim=1)
-        q, k = apply_rope(qk, *rope).split([q_heads, kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        if self.q_norm is not None:
+            qkv = torch.cat([self.q_norm(qkv[:, :q_heads]), self.k_norm(qkv[:, q_heads:q_heads + kv_heads]),
+                             qkv[:, q_heads + kv_heads:]], dim=1)
+        attend = getattr(backend, "attend", None)
+        if attend is not None:  # RoPE, the KV write and attention in the backend's kernel
+            return apply_linear(self.o_proj, attend(qkv, rope, self.layer_id, meta, rows))
+        q, k = apply_rope(qkv[:, :q_heads + kv_heads], *rope.per_token(qkv.dtype)).split([q_heads, kv_heads], dim=1)
         v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
         if rows is not None:
             backend.kv_pool.write(self.layer_id, k, v, meta.write_pages, meta.write_offsets)
@@ -207,8 +204,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
         self.quantized_head: nn.Module | None = None
-        self.head_t: torch.Tensor | None = None  # [H, vocab] copy of the head (transpose_linears)
-        self.head_packed: torch.Tensor | None = None  # head_t in cpu_gemm panels (fp32 CPU)
+        self.packed_head: PackedLinear | None = None  # the head prepacked for oneDNN (pack_for_cpu)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -231,22 +227,20 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head is not None:
             return self.quantized_head(hidden).float()  # [rows, vocab]
-        if self.head_t is not None:
-            return cpu_gemm.few_row_matmul(hidden, self.head_t, self.head_packed).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()
-    def transpose_linears(self) -> None:
-        """CPU serving: every remaining nn.Linear of the decoder -> MatmulLinear, plus a transposed copy of
-        the LM head (an extra vocab x hidden tensor when the head is tied to the embedding). Call after
+    def pack_for_cpu(self) -> None:
+        """CPU serving: every remaining nn.Linear of the decoder -> PackedLinear (oneDNN, prepacked once), and
+        a packed copy of the LM head (tied to the embedding: the embedding stays for the lookup). Call after
         load_weights / quantization / the dtype cast."""
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, MatmulLinear(child))
-        if self.quantized_head is None:
-            self.head_t = self.lm_head_weight.detach().t().contiguous()
-            self.head_packed = packed_copy(self.head_t)
+        pack_linears(self)  # an untied lm_head included
+        if self.quantized_head is None and self.lm_head is None and mkldnn_ok(self.embed_tokens.weight.dtype):
+            self.packed_head = PackedLinear(self.embed_tokens.weight, None)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

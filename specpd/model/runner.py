@@ -41,8 +41,11 @@ StepResult = list[SampledTokens]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0):
-        """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3."""
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0,
+                 pack: bool = True):
+        """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3.
+        pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through)."""
+        config = config.resolved()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -59,8 +62,8 @@ class ModelRunner:
         # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
         quantize_model(model, config.quantization)
         model = model.to(dtype=self.dtype).eval()
-        if self.device.type == "cpu":
-            model.transpose_linears()  # few-row GEMMs (decode, verify) run faster on [in, out] weights
+        if self.device.type == "cpu" and pack:
+            model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)
         # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
         model.rotary = Rotary(self.model_config, max_model_len).to(self.device)
         self.model = model

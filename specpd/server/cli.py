@@ -32,8 +32,8 @@ from specpd.config import SPEC_ALGORITHMS, EngineConfig
 logger = logging.getLogger("specpd")
 
 ROLES = ("unified", "prefill", "decode", "router")  # PD roles: specpd/disagg
-_CHOICES = {"dtype": ("float32", "bfloat16", "float16"),
-            "attention_backend": ("torch", "triton", "flashinfer"),
+_CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"),
+            "attention_backend": ("auto", "cpu", "torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
             "speculative_algorithm": SPEC_ALGORITHMS,
             "quantization": ("none", "int4", "int8"),

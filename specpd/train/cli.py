@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                 cache.num_tokens)
 
     # 4: the draft, bound to an fp32 copy of the target (embedding and head, frozen)
-    target = ModelRunner(EngineConfig(model=args.target, cache=CacheConfig(num_pages=1)), checkpoint, max_len).model
+    target = ModelRunner(EngineConfig(model=args.target, dtype="float32", cache=CacheConfig(num_pages=1)), checkpoint,
+                         max_len, pack=False).model
     target.requires_grad_(False)
     hot = (select_draft_vocab(cache.token_counts(target_config.vocab_size), args.draft_vocab_size)
            if args.draft_vocab_size else None)

@@ -1,0 +1,70 @@
+"""Compile a kernel's C source once per machine and load it with ctypes (no torch headers, ~1 s with gcc).
+
+The library is built with `-O3 -march=native` (so it uses the CPU's widest vectors: AVX-512 / AMX boxes,
+AVX2 ones) and OpenMP; it lands in $SPECPD_CACHE/kernels/ under a name keyed by the source, the flags and
+this CPU's feature flags, so a cache directory shared by two machines never hands one the other's code.
+OpenMP: the library links libgomp by its soname, which torch has already loaded from its own lib/ (import
+torch first), so the kernels and torch share one thread pool and torch.set_num_threads governs both.
+ctypes releases the GIL for the call: HTTP and transfer threads run while a kernel does.
+Without a C compiler, or with SPECPD_C_KERNELS=0, `load` returns None and callers use torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+from specpd.machine import cpu_flags
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def flags() -> tuple[str, ...]:
+    """FLAGS, plus full-width vectors where the CPU has AVX-512 (gcc prefers 256-bit ones on recent Intel).
+    SPECPD_KERNEL_MARCH=x86-64-v3 (say) builds for that target instead of this CPU: the tests build the AVX2
+    variant on an AVX-512 box that way."""
+    march = os.environ.get("SPECPD_KERNEL_MARCH")
+    if march:
+        return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    return FLAGS + (("-mprefer-vector-width=512",) if "avx512f" in cpu_flags() else ())
+
+
+def cache_dir() -> str:
+    from specpd.model.default import cache_root
+    return os.path.join(cache_root(), "kernels")
+
+
+def source_path(name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
+
+
+@functools.cache
+def load(filename: str) -> ctypes.CDLL | None:
+    """csrc/`filename` compiled for this CPU (cached), or None where it cannot be built."""
+    if os.environ.get("SPECPD_C_KERNELS", "1") == "0":
+        return None
+    import torch  # noqa: F401  (its libgomp first: the kernels share its OpenMP pool)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    with open(source_path(filename), encoding="utf-8") as f:
+        source = f.read()
+    key = "\n".join([source, " ".join(flags()), " ".join(sorted(cpu_flags())), cc])
+    stem = os.path.splitext(filename)[0]
+    path = os.path.join(cache_dir(), f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
+    if not os.path.isfile(path):
+        try:
+            os.makedirs(cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+                src, out = os.path.join(tmp, filename), os.path.join(tmp, stem + ".so")
+                with open(src, "w", encoding="utf-8") as f:
+                    f.write(source)
+                subprocess.run([cc, *flags(), "-o", out, src], check=True, capture_output=True, timeout=300)
+                os.replace(out, path)  # atomic: concurrent builders see the whole file or none
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return ctypes.CDLL(path)

@@ -1,0 +1,349 @@
+/* Paged attention for CPU: one call per layer writes the step's new K/V into the paged pool (RoPE applied to
+   K) and attends every query row (RoPE applied to Q) over its sequence's pages, with a causal or a tree mask.
+   See specpd/kernels/cpu_attention.py for the contract; the torch reference is attention_ref there.
+
+   Per work item (sequence b, kv head h, a block of up to RB query rows): the block's G = Hq / Hkv query
+   heads share every K/V load (GQA). Keys come in chunks of CH positions at absolute offsets 0, CH, 2 CH ...,
+   loaded once per chunk (K transposed to [D][CH] fp32, V [CH][D] fp32) and used by every row of the block;
+   each row keeps an online softmax (max m, sum l, acc[D]). A masked key contributes exactly nothing and a
+   chunk fully masked for a row is skipped, so a row's result does not depend on which rows share its block:
+   a verify row equals the decode step over the same prefix, bit for bit. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define CH 16
+#define RB 16
+#define DMAX 256
+#define GMAX 16
+#define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
+
+static inline float bf16_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_bf16(float f) {
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even, as torch does */
+  return (uint16_t)(u >> 16);
+}
+
+static inline void load(const void* base, int dt, int64_t off, int64_t n, float* restrict dst) {
+  if (dt == 0) { const float* s = (const float*)base + off; for (int64_t i = 0; i < n; i++) dst[i] = s[i]; }
+  else if (dt == 1) { const uint16_t* s = (const uint16_t*)base + off; for (int64_t i = 0; i < n; i++) dst[i] = bf16_f32(s[i]); }
+  else { const _Float16* s = (const _Float16*)base + off; for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i]; }
+}
+
+static inline void store(void* base, int dt, int64_t off, int64_t n, const float* restrict src) {
+  if (dt == 0) { float* d = (float*)base + off; for (int64_t i = 0; i < n; i++) d[i] = src[i]; }
+  else if (dt == 1) { uint16_t* d = (uint16_t*)base + off; for (int64_t i = 0; i < n; i++) d[i] = f32_bf16(src[i]); }
+  else { _Float16* d = (_Float16*)base + off; for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i]; }
+}
+
+/* Neox RoPE in place: x * cos + swap_halves(x) * signed_sin (the tables' sin has its first half negated) */
+static inline void rope(float* restrict x, const float* restrict c, const float* restrict s, int64_t D) {
+  float t[DMAX];
+  int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d++) { t[d] = x[d + half]; t[d + half] = x[d]; }
+  for (int64_t d = 0; d < D; d++) x[d] = x[d] * c[d] + t[d] * s[d];
+}
+
+/* exp for x <= 0 (and -inf), ~1 ulp, vectorisable: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2] */
+static inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float n = __builtin_roundf(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t e = ((int32_t)n + 127) << 23;
+  float scale; memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+#ifdef __AVX512F__
+/* 16 values of dtype dt at base + off as fp32 */
+static inline __m512 load16(const void* base, int dt, int64_t off) {
+  if (dt == 0) return _mm512_loadu_ps((const float*)base + off);
+  __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + off));
+  if (dt == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+/* exp(x) for x in [-87, 0], the same polynomial as exp_neg, 16 lanes */
+static inline __m512 exp16(__m512 x) {
+  const __m512 nn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(nn, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693359375f), x));
+  __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+  q = _mm512_fmadd_ps(_mm512_mul_ps(q, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(q, nn);
+}
+
+/* r[i] = row i of a 16 x 16 block -> r[i] = column i (checked against a scalar transpose in development) */
+static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); }
+  for (int i = 0; i < 16; i += 4) {
+    r[i]     = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]),     _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]),     _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i]      = _mm512_shuffle_f32x4(r[i],     r[i + 4],  0x88);
+    t[i + 4]  = _mm512_shuffle_f32x4(r[i],     r[i + 4],  0xdd);
+    t[i + 8]  = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i]     = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+/* One chunk of CH = 16 keys for the active query vectors act[0..nact) (D a compile-time constant: 64 or 128).
+   NV vectors at a time: each row of KT (the chunk's keys, transposed) loaded once for all of them, NV
+   independent FMA chains; NV online-softmax updates; then P.V with each key's V row loaded once for all NV
+   vectors and their accumulators in registers. A vector's arithmetic is the same whatever shares its group,
+   so a row's result does not depend on the rows beside it. */
+#define CHUNK_KERNEL(NAME, DD, NVV)                                                                            \
+static void NAME(const float (*Q)[DD], const float (*KT)[CH], const float (*Vc)[DD], const float (*vis)[CH],      \
+                 const float (*keep)[CH], const int64_t* act, int64_t nact, int64_t n, int64_t G, float* m,       \
+                 float* l, float (*acc)[DD]) {                                                                    \
+  for (int64_t k0 = 0; k0 < nact; k0 += NVV) {                                                                  \
+    const int64_t nv = nact - k0 < NVV ? nact - k0 : NVV;                                                        \
+    int64_t vv[NVV];                                                                                            \
+    for (int u = 0; u < NVV; u++) vv[u] = act[k0 + (u < nv ? u : 0)];                                           \
+    __m512 sc[NVV];                                                                                             \
+    for (int u = 0; u < NVV; u++) sc[u] = _mm512_setzero_ps();                                                   \
+    for (int d = 0; d < DD; d++) {                                                                              \
+      const __m512 kt = _mm512_loadu_ps(KT[d]);                                                                 \
+      for (int u = 0; u < NVV; u++) sc[u] = _mm512_fmadd_ps(_mm512_set1_ps(Q[vv[u]][d]), kt, sc[u]);             \
+    }                                                                                                           \
+    float pr[NVV][CH] __attribute__((aligned(64)));                                                             \
+    float alpha[NVV];                                                                                           \
+    for (int u = 0; u < NVV; u++) {                                                                             \
+      const int64_t v = vv[u], i = v / G;                                                                       \
+      __m512 x = _mm512_add_ps(sc[u], _mm512_loadu_ps(vis[i]));                                                 \
+      const float mx = _mm512_reduce_max_ps(x);                                                                 \
+      const float m_new = mx > m[v] ? mx : m[v];                                                                \
+      x = _mm512_max_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.0f));                       \
+      const __m512 e = _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[i]));                                       \
+      _mm512_store_ps(pr[u], e);                                                                                \
+      alpha[u] = exp_neg(m[v] - m_new); /* m[v] = -inf the first time: 0 */                                     \
+      if (u < nv) { l[v] = l[v] * alpha[u] + _mm512_reduce_add_ps(e); m[v] = m_new; }                           \
+    }                                                                                                           \
+    __m512 o[NVV][DD / 16];                                                                                     \
+    for (int u = 0; u < NVV; u++)                                                                               \
+      for (int b = 0; b < DD / 16; b++) o[u][b] = _mm512_mul_ps(_mm512_loadu_ps(acc[vv[u]] + 16 * b), _mm512_set1_ps(alpha[u])); \
+    for (int64_t j = 0; j < n; j++) {                                                                           \
+      __m512 vr[DD / 16];                                                                                       \
+      for (int b = 0; b < DD / 16; b++) vr[b] = _mm512_loadu_ps(Vc[j] + 16 * b);                                \
+      for (int u = 0; u < NVV; u++) {                                                                           \
+        const __m512 pj = _mm512_set1_ps(pr[u][j]);                                                             \
+        for (int b = 0; b < DD / 16; b++) o[u][b] = _mm512_fmadd_ps(pj, vr[b], o[u][b]);                         \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int u = 0; u < nv; u++) /* padding lanes (repeating the first vector) are never stored */              \
+      for (int b = 0; b < DD / 16; b++) _mm512_storeu_ps(acc[vv[u]] + 16 * b, o[u][b]);                         \
+  }                                                                                                             \
+}
+CHUNK_KERNEL(chunk_avx512_d64, 64, 4)
+CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
+#endif
+
+typedef struct {
+  int dt;
+  const void* q; int64_t q_stride; const int64_t* q_pos;
+  const float* cos_t; const float* sin_t;
+  void* pool; int64_t page_stride, k_off, v_off, pos_stride, head_stride, ps;
+  const int32_t* qo_indptr; const int32_t* kv_lens; const int32_t* page_table; int64_t max_pages;
+  const uint8_t* tree; const int32_t* tree_indptr;
+  int64_t Hq, Hkv, D; float scale;
+  void* out;
+} Args;
+
+static inline int64_t slot_off(const Args* a, int64_t b, int64_t pos) {
+  int64_t page = a->page_table[b * a->max_pages + pos / a->ps];
+  return page * a->page_stride + (pos % a->ps) * a->pos_stride;
+}
+
+/* one work item: sequence b, kv head h, query rows [r0, r0 + nr) of the sequence */
+static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr) {
+  const int64_t D = a->D, G = a->Hq / a->Hkv, V = nr * G;  /* V query vectors: row-major (row, group head) */
+  const int64_t q_start = a->qo_indptr[b], q_len = a->qo_indptr[b + 1] - q_start, kv_len = a->kv_lens[b];
+  int64_t width = q_len;  /* the tail block of KV positions the mask governs; before it everything is visible */
+  const uint8_t* tree = 0;
+  if (a->tree && a->tree_indptr[b + 1] > a->tree_indptr[b]) {
+    tree = a->tree + a->tree_indptr[b];
+    width = (a->tree_indptr[b + 1] - a->tree_indptr[b]) / q_len;
+  }
+  const int64_t prefix = kv_len - width;
+  float Q[V][D] __attribute__((aligned(64)));  /* the block's queries, RoPE'd and scaled */
+  float acc[V][D] __attribute__((aligned(64)));
+  float m[V], l[V];
+  float KT[D][CH] __attribute__((aligned(64)));  /* a chunk's keys, transposed: scores vectorise over keys */
+  float Vc[CH][D] __attribute__((aligned(64)));
+  int64_t last = 0;  /* one past the last position any row of the block sees */
+  for (int64_t i = 0; i < nr; i++) {
+    int64_t row = r0 + i, t = q_start + row;
+    for (int64_t g = 0; g < G; g++) {
+      float* x = Q[i * G + g];
+      load(a->q, a->dt, t * a->q_stride + (h * G + g) * D, D, x);
+      if (a->cos_t) rope(x, a->cos_t + a->q_pos[t] * D, a->sin_t + a->q_pos[t] * D, D);
+      for (int64_t d = 0; d < D; d++) { x[d] *= a->scale; acc[i * G + g][d] = 0.0f; }
+      m[i * G + g] = -INFINITY; l[i * G + g] = 0.0f;
+    }
+    int64_t end = tree ? kv_len : prefix + row + 1;
+    if (end > last) last = end;
+  }
+  for (int64_t c = 0; c < last; c += CH) {
+    const int64_t n = (last - c < CH) ? last - c : CH;
+    int64_t offs[CH];
+    for (int64_t j = 0; j < n; j++) offs[j] = slot_off(a, b, c + j) + h * a->head_stride;
+#if defined(__AVX512F__) && CH == 16
+    if (D % 16 == 0) {  /* keys transposed in registers, 16 x 16 blocks */
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int64_t j = 0; j < CH; j++) r[j] = j < n ? load16(a->pool, a->dt, offs[j] + a->k_off + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + d], r[d]);
+        for (int64_t j = 0; j < n; j++) _mm512_storeu_ps(&Vc[j][d0], load16(a->pool, a->dt, offs[j] + a->v_off + d0));
+      }
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < n; j++) {
+        float kr[DMAX];
+        load(a->pool, a->dt, offs[j] + a->k_off, D, kr);
+        for (int64_t d = 0; d < D; d++) KT[d][j] = kr[d];
+        load(a->pool, a->dt, offs[j] + a->v_off, D, Vc[j]);
+      }
+      for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) KT[d][j] = 0.0f;
+    }
+    for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) Vc[j][d] = 0.0f;
+    /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the
+       probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
+    float vis[nr][CH], keep[nr][CH];
+    int64_t act[V], nact = 0;  /* the vectors whose row sees some key of the chunk */
+    for (int64_t i = 0; i < nr; i++) {
+      const int64_t row = r0 + i;
+      int any = 0;
+      for (int64_t j = 0; j < CH; j++) {
+        int64_t pos = c + j;
+        int ok = j < n && pos < kv_len;
+        if (ok && pos >= prefix) ok = tree ? tree[row * width + (pos - prefix)] != 0 : pos - prefix <= row;
+        vis[i][j] = ok ? 0.0f : -INFINITY;
+        keep[i][j] = ok ? 1.0f : 0.0f;
+        any |= ok;
+      }
+      if (any) for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
+    }
+#if defined(__AVX512F__) && CH == 16
+    if (D == 64 || D == 128) {
+      if (D == 64) chunk_avx512_d64(Q, KT, Vc, vis, keep, act, nact, n, G, m, l, acc);
+      else chunk_avx512_d128(Q, KT, Vc, vis, keep, act, nact, n, G, m, l, acc);
+      continue;
+    }
+#endif
+    for (int64_t k0 = 0; k0 < nact; k0++) {
+      const int64_t v = act[k0], i = v / G;
+      float sc[CH], p[CH], sum = 0.0f;
+      for (int64_t j = 0; j < CH; j++) sc[j] = 0.0f;
+      for (int64_t d = 0; d < D; d++) {
+        const float qd = Q[v][d];
+        for (int64_t j = 0; j < CH; j++) sc[j] += qd * KT[d][j];
+      }
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < CH; j++) { sc[j] += vis[i][j]; mx = sc[j] > mx ? sc[j] : mx; }
+      const float m_new = mx > m[v] ? mx : m[v];
+      for (int64_t j = 0; j < CH; j++) p[j] = exp_neg(sc[j] - m_new) * keep[i][j];
+      for (int64_t j = 0; j < CH; j++) sum += p[j];
+      const float alpha = exp_neg(m[v] - m_new);  /* m[v] = -inf the first time: 0 */
+      l[v] = l[v] * alpha + sum;
+      m[v] = m_new;
+      float* o = acc[v];
+      for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+      for (int64_t j = 0; j < n; j++) {
+        const float pj = p[j];
+        for (int64_t d = 0; d < D; d++) o[d] += pj * Vc[j][d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < nr; i++) {
+    int64_t t = q_start + r0 + i;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t v = i * G + g;
+      const float inv = l[v] > 0.0f ? 1.0f / l[v] : 0.0f;
+      for (int64_t d = 0; d < D; d++) acc[v][d] *= inv;
+      store(a->out, a->dt, t * a->Hq * D + (h * G + g) * D, D, acc[v]);
+    }
+  }
+}
+
+/* Write Tw new tokens' K (RoPE'd at w_pos) and V into the pool at slots w_slot (page * ps + offset). */
+static void write_kv(const Args* a, const void* k, const void* v, int64_t kv_stride, int64_t Tw, const int64_t* w_pos,
+                     const int64_t* w_slot) {
+  const int64_t D = a->D;
+  #pragma omp parallel for schedule(static) if (Tw * a->Hkv > 512)
+  for (int64_t t = 0; t < Tw; t++) {
+    const int64_t page = w_slot[t] / a->ps, within = w_slot[t] % a->ps;
+    const int64_t base = page * a->page_stride + within * a->pos_stride;
+    for (int64_t h = 0; h < a->Hkv; h++) {
+      float x[DMAX];
+      load(k, a->dt, t * kv_stride + h * D, D, x);
+      if (a->cos_t) rope(x, a->cos_t + w_pos[t] * D, a->sin_t + w_pos[t] * D, D);
+      store(a->pool, a->dt, base + a->k_off + h * a->head_stride, D, x);
+      load(v, a->dt, t * kv_stride + h * D, D, x);
+      store(a->pool, a->dt, base + a->v_off + h * a->head_stride, D, x);
+    }
+  }
+}
+
+int specpd_attention(int dt,
+                     const void* q, int64_t q_stride, const int64_t* q_pos,
+                     const void* k, const void* v, int64_t kv_stride, int64_t Tw, const int64_t* w_pos,
+                     const int64_t* w_slot,
+                     const float* cos_t, const float* sin_t,
+                     void* pool, int64_t page_stride, int64_t k_off, int64_t v_off, int64_t pos_stride,
+                     int64_t head_stride, int64_t ps,
+                     const int32_t* qo_indptr, const int32_t* kv_lens, const int32_t* page_table, int64_t max_pages,
+                     int64_t B, const uint8_t* tree, const int32_t* tree_indptr,
+                     int64_t Hq, int64_t Hkv, int64_t D, float scale, void* out) {
+  if (D > DMAX || D % 2 || Hkv <= 0 || Hq % Hkv || Hq / Hkv > GMAX) return 1;
+  Args a = {dt, q, q_stride, q_pos, cos_t, sin_t, pool, page_stride, k_off, v_off, pos_stride, head_stride, ps,
+            qo_indptr, kv_lens, page_table, max_pages, tree, tree_indptr, Hq, Hkv, D, scale, out};
+  if (k) write_kv(&a, k, v, kv_stride, Tw, w_pos, w_slot);
+  if (!q) return 0;
+  /* work items: (sequence, kv head, block of RB rows); rough cost = rows x visible keys */
+  int64_t items = 0, work = 0;
+  for (int64_t b = 0; b < B; b++) {
+    int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
+    items += Hkv * ((ql + RB - 1) / RB);
+    work += ql * (int64_t)kv_lens[b] * Hq;
+  }
+  #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work > 65536)
+  for (int64_t it = 0; it < items; it++) {
+    int64_t rest = it, b = 0;
+    for (; b < B; b++) {
+      int64_t ql = qo_indptr[b + 1] - qo_indptr[b], n = Hkv * ((ql + RB - 1) / RB);
+      if (rest < n) break;
+      rest -= n;
+    }
+    int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
+    int64_t blocks = (ql + RB - 1) / RB, h = rest / blocks, blk = rest % blocks;
+    int64_t r0 = blk * RB, nr = (ql - r0 < RB) ? ql - r0 : RB;
+    attend_block(&a, b, h, r0, nr);
+  }
+  return 0;
+}

@@ -18,7 +18,10 @@ def test_split_cores(cores, p, d, want):
     assert sum(prefill) + sum(decode) == max(cores, p + d)
 
 
-def test_machine_defaults_are_consistent():
+def test_machine_defaults_are_consistent(monkeypatch):
     assert usable_cores() >= 1
     assert isa() in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+    monkeypatch.delenv("SPECPD_AUTO_DTYPE", raising=False)  # (the suite pins it: tests/conftest.py)
     assert default_dtype("cpu") == ("bfloat16" if isa() in ("amx", "avx512_bf16") else "float32")
+    monkeypatch.setenv("SPECPD_AUTO_DTYPE", "float16")
+    assert default_dtype("cpu") == "float16"

@@ -328,8 +328,11 @@ class SpecRunner:
         return SampledTokens(req.request_id, tokens, logprobs, len(nodes), num_accepted=accepted), ext, path
 
 
-def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:
-    """frozen_policy: the adaptive policy neither learns engine-wide nor refines its measured costs."""
+def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
+                      settles_deferred: bool = False) -> SpecRunner:
+    """frozen_policy: the adaptive policy neither learns engine-wide nor refines its measured costs.
+    settles_deferred: the engine runs a finishing request's deferred draft extends (`settle_draft_kv`, for the
+    prefix cache), so a catch-up is work moved earlier, not added (AdaptivePolicy.catch_up_settled)."""
     cfg = runner.model_config
     steps, topk, num_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens
     if spec.speculative_algorithm == "replay":
@@ -355,7 +358,8 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else calibrate(spec_runner)
         cost.frozen = frozen
         spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
-                                            shadow=proposer.needs_hidden)
+                                            shadow=proposer.needs_hidden,
+                                            catch_up_settled=settles_deferred and proposer.needs_hidden)
     return spec_runner
 
 

@@ -19,7 +19,7 @@ concurrency (a request is sent as soon as one of the c in flight finishes).
 Servers run one at a time, each started afresh for every rep (start-up time measured each time: process
 start to /health 200), in an order rotated rep by rep; every server first answers the parity prompts
 (greedy token ids), warms up (c requests of 8 tokens at each concurrency), is measured idle (CPU share over
-3 s), then runs its cells.
+5 s, 2 s after the warm-up), then runs its cells.
 
   make peers && .venv/bin/python evals/bench_peers.py            # the canonical run: hours, on a quiet box
   .venv/bin/python evals/bench_peers.py --quick                  # smoke: 1 rep, c1, chat, 4 prompts, 32 tokens
@@ -186,7 +186,8 @@ def serve_and_measure(spec: peers.ServerSpec, cells: list[tuple[str, int]], plan
         for c in sorted({c for _, c in cells}):  # first-batch-shape costs out of the cells: c requests, 8 tokens
             warm, _ = run_cell(run.base, [parity[i % len(parity)] for i in range(c)], c, 8)
             entry.setdefault("warmup_errors", []).extend(r["error"] for r in warm if "error" in r)
-        entry["idle_cpu_share"] = peers.idle_cpu_share(run, 3.0)
+        time.sleep(2.0)  # vLLM's engine core spins ~1 s after its last request: the settled cost is wanted
+        entry["idle_cpu_share"] = peers.idle_cpu_share(run, 5.0)
         if spec.engine == "specpd":
             info = peers.get_json(run.base + "/server_info") or {}
             entry["server_info"] = {"config": info.get("config"), "speculative": info.get("speculative"),
@@ -314,7 +315,10 @@ def main() -> int:
               "args": vars(args), "model": "default (SmolLM2-135M-Instruct; vLLM: its HF directory from specpd's "
               "converted fp32 weights; llama.cpp: the Q4_1 GGUF)", "specpd_default_dtype": default_dtype,
               "specpd_probe": probe, "server_lifecycle": "one server at a time, started afresh for every rep and "
-              "stopped (process group killed) after its cells; idle CPU share recorded per server",
+              "stopped (process group killed) after its cells. Idle servers cost little CPU (idle_cpu_share: "
+              "specpd and llama.cpp 0, vLLM ~0.01 of a core once settled, ~0.33 for the ~1 s after a request), "
+              "but 14 servers at once (vLLM: 2 GiB KV each) would not fit in memory, and a fresh start every "
+              "rep measures start-up each time",
               "prompt_tokens": {w: [len(p) for k, ps in plan.items() if k[0] == w for p in ps] for w in args.workloads},
               "prompts_shared_across_reps": shared,
               "skipped": skipped, "servers": servers, **meta}

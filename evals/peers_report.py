@@ -118,7 +118,7 @@ def plot(report: dict, path: str) -> None:
             tau = report["cells"][n][key]["tau"]
             if tau:
                 ax.text(i, ys[i], f"τ{tau:.2f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(names)), [n.replace("/", "\n", 1) for n in names], fontsize=7)
+        ax.set_xticks(range(len(names)), [n.replace("/", "\n") for n in names], fontsize=7)
         ax.set_ylabel("TPOT p50 (ms)")
         ax.set_title(key, fontsize=9)
     m = report.get("machine", {})

@@ -33,10 +33,10 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      anyway (`catch_up_settled`: the prefix cache keeps draft KV valid over all a request committed,
      LLMEngine._finish), a catch-up moves work earlier and adds at most one draft forward, so neither a probe
      nor a speculating round is charged its rows. Otherwise the rows are what speculating again costs. Charged
-     in full while the engine settled them anyway, a request at depth 0 could never come back: its catch-up
-     grew a row a round, faster than the probe budget saved (0.5% of a ~47 ms round against ~0.4 ms a draft
-     row), so after one early depth-0 round a request, and with it the engine-wide estimate, was stuck (a
-     decode server that never speculated, issue 31).
+     in full while the engine settled them anyway, a request at depth 0 came back only through a probe whose
+     price grew a row a round; with the draft priced at a busy box's startup reading (0.3-0.9 ms a row) that
+     outgrew what the budget saves (0.5% of a ~47 ms round, at most 64 rounds' worth), and the request, and
+     with it the engine-wide estimate, stayed at depth 0 (a decode server that never speculated, issue 31).
   5. Whatever a speculating round costs outside the target forward (draft forwards, the catch-up,
      building trees and masks, verifying) is measured each round against what the cost model predicted
      for its draft forwards, and the ratio scales the draft costs from then on (`CostModel.draft_scale`).

@@ -22,9 +22,12 @@ from tests.server.launcher import launch_server
 
 SPEC = ["--model", "default", "--speculative-algorithm", "eagle3", "--draft-model", "default", "--log-level",
         "warning"]
+# questions the shipped head drafts well on (tau ~1.4-1.6 at 40 tokens): a sound policy speculates on every one,
+# from its first round, on any box; one where the draft is poor ("three tips for sleeping better": tau 1.08) puts
+# the decision at the margin, where two servers' online timings may tip it either way for a while
 QUESTIONS = ["What is the capital of France, and what is it known for?",
              "Write a Python function that returns the n-th Fibonacci number.",
-             "Give me three tips for sleeping better."]
+             "Write a SQL query that counts the rows of a table named users."]
 MAX_TOKENS = 40
 ACCEPTANCE = ("spec_verify_count", "spec_accepted_tokens", "spec_accept_length")
 

@@ -351,9 +351,10 @@ def test_settled_catch_ups_are_not_charged(settled):
 
 def test_a_request_at_depth_zero_keeps_probing_while_its_catch_up_grows():
     """Its catch-up grows a token a round while it sits at depth 0. Charged in full, a shadow probe outgrew the
-    budget (0.5% of a 47 ms round saved per round, ~0.3 ms a draft row added per round) and the request never
-    probed again: the first plans at depth 0 held for good, and the engine-wide acceptance stayed the prior (a
-    decode server that never speculated, issue 31). Settled catch-ups cost a probe one draft forward."""
+    budget (0.5% of a 47 ms round saved per round against ~0.3 ms a draft row, a busy box's startup reading) and
+    the request never probed again: the first plans at depth 0 held for good, and the engine-wide acceptance
+    stayed the prior (a decode server that never speculated, issue 31). Settled catch-ups cost a probe one
+    draft forward."""
     cost = CostModel({1: 47 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 23 * MS})
     for settled, expect_probes in ((False, False), (True, True)):
         policy = AdaptivePolicy(3, 2, 6, cost, shadow=True, catch_up_settled=settled)

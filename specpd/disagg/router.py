@@ -15,9 +15,12 @@ A request's life in the router:
      aborts the room) and the client gets P's error. If D refuses (e.g. a config mismatch, HTTP 400), P's
      request is dropped and the client gets D's error. A refusal keeps its status, body and Retry-After
      (400 / 413 / 503 reach the client as P or D sent them); only an unreachable server becomes 502.
-/metrics: the router's stages of the TTFT breakdown (specpd/disagg/timeline.py); `pd_stages` in /server_info.
+/metrics: the router's stages of the TTFT breakdown (specpd/disagg/timeline.py); `pd_stages` in /server_info; and
+per decode server (`decode` label) what its adaptive policy did: the depth-0 share of its request-rounds beside
+tau, and the cost model it calibrated (`decode_spec_metrics`).
 /server_info (also /get_server_info): `prefill` and `decode` list one object per server, its URL plus its
-own /server_info, so SGLang's bench_serving finds `decode[0]["internal_states"][0]["avg_spec_accept_length"]`.
+own /server_info, so SGLang's bench_serving finds `decode[0]["internal_states"][0]["avg_spec_accept_length"]`;
+`decode_spec` lists each decode server's depth-0 share, tau and cost model side by side (`decode_spec_summary`).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from specpd.disagg.affinity import AffinityPicker, prefix_key
+from specpd.disagg.spec_report import decode_spec_metrics, decode_spec_summary
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from specpd.disagg.timeline import StageCollector, StageStats
 from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
@@ -305,7 +309,15 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        answers = await asyncio.gather(*(state["client"].get(u + "/server_info", timeout=5.0) for u in decode_urls),
+                                       return_exceptions=True)
+        summaries = []
+        for url, resp in zip(decode_urls, answers):
+            try:
+                summaries.append(decode_spec_summary(url, resp.json()))
+            except (AttributeError, ValueError):  # a decode server down or not answering: no series for it
+                continue
+        return Response(generate_latest(registry) + decode_spec_metrics(summaries), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
@@ -340,6 +352,7 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         committed = sum((b.get("spec_accept_length") or 0) * (b.get("spec_verify_count") or 0) for b in decode)
         tau = committed / verify if verify else None
         live = [b for b in backends.values() if "error" not in b]
+        decode_spec = [decode_spec_summary(b["url"], b) for b in decode]
         return {"role": "router", "pid": os.getpid(), "pd_stages": stages.summary(),
                 "prefill": [backends[u] for u in prefill_urls], "decode": [backends[u] for u in decode_urls],
                 "bootstrap_port": bootstrap_port, "config": {"prefill": prefill_urls, "decode": decode_urls},
@@ -347,9 +360,11 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                 "total_pages": sum(b.get("total_pages") or 0 for b in live),
                 "spec_verify_count": verify, "spec_accept_length": tau,
                 "internal_states": [{"avg_spec_accept_length": tau, "spec_verify_count": verify}],
+                "decode_spec": decode_spec,
                 "backends": {u: {k: b.get(k) for k in ("role", "pid", "free_pages", "total_pages", "config",
                                                        "spec_verify_count", "spec_accepted_tokens",
-                                                       "spec_accept_length", "error") if k in b}
+                                                       "spec_accept_length", "spec_rounds_off_share", "error")
+                                 if k in b}
                              for u, b in backends.items()}}
 
     return app

@@ -71,8 +71,13 @@ class ControlThread:
     # -- engine thread -----------------------------------------------------------------------
     def send(self, peer: bytes, msg, end_room: int | None = None) -> None:
         """Queue `msg` for `peer`. `end_room`: the message closes that room's conversation with its owner."""
+        self.send_encoded(peer, encode(msg), end_room)
+
+    def send_encoded(self, peer: bytes, frames: list, end_room: int | None = None) -> None:
+        """`send` for frames already `encode`d: a caller that marks a time between serializing a message and
+        letting it go (no peer can have it before this call)."""
         tag = b"-" if end_room is None else str(end_room).encode()
-        self._push.send_multipart([tag, peer, *encode(msg)], copy=False)
+        self._push.send_multipart([tag, peer, *frames], copy=False)
 
     def command(self, *frames: bytes) -> None:
         """A control-thread command without a message (e.g. forget a room or a peer)."""

@@ -52,7 +52,9 @@ class LLMEngine:
             draft_layers = shared_page_layers(spec, self.model_config)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers)
         pool = self.runner.kv_pool
-        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
+        # with a prefix cache, a finishing request's deferred draft extends run (`_finish`)
+        self.spec_runner = build_spec_runner(self.runner, spec, settles_deferred=config.cache.enable_prefix_caching) \
+            if spec.enabled and with_draft else None
         if spec.enabled and not with_draft and not spec.model_free:
             from specpd.draft.loader import draft_feature_layers
             self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
@@ -119,9 +121,10 @@ class LLMEngine:
         hist = [st.proposed_hist.get(n, 0) for n in range(max(st.proposed_hist, default=0) + 1)]
         return {"spec_rounds": st.rounds, "spec_rounds_off": st.rounds_off,
                 "spec_rounds_off_share": st.rounds_off / st.rounds if st.rounds else None,
-                "spec_rounds_narrow": st.rounds_narrow, "spec_draft_tokens_hist": hist,
+                "spec_rounds_narrow": st.rounds_narrow, "spec_probes": st.probes, "spec_draft_tokens_hist": hist,
                 "spec_policy": {"cost_scale": policy.cost.scale, "draft_scale": policy.cost.draft_scale,
-                                "accept": list(policy.global_accept), "top_path_share": policy.top_path_share()}}
+                                "accept": list(policy.global_accept), "top_path_share": policy.top_path_share(),
+                                "cost_model": policy.cost.as_dict()}}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Request:

@@ -8,10 +8,19 @@
    padded multi-row attention with tree masks, which one request's rows do not show).
 3. Draft forwards (+ head, softmax, top-k) by rows, for drafters with a model.
 Scratch pages come from the engine's allocator and go back to it.
+The clock (`calibration_clock`): with one torch thread every forward runs on the calling thread, so its CPU
+time is the forward's cost whatever else the box runs; wall time is not. The two servers of a 1P1D cluster
+start together on a 2-core box (each loading, then calibrating), and other work may share the cores: on a
+loaded box, six decode servers' wall-clock tables read one row at 72 to 221 ms and their shapes differed start
+to start (one flat from 1 to 16 rows: verify rows for free), where thread CPU time read 46-51 ms and the same
+shape in every start (README, issue 31). The table's level is the online scale's to correct (spec_cost.py);
+its shape is what a decision reads. With several threads a forward's work is spread over threads this one
+cannot see, so wall time it is (a busy box then still bends the table).
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -23,7 +32,14 @@ DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
 BATCH = 8
 
 
-def fastest(fns: dict, passes: int) -> dict:
+def calibration_clock() -> tuple[str, Callable[[], float]]:
+    """(name, clock) the table is timed with: this thread's CPU time when torch runs on this thread alone."""
+    if torch.get_num_threads() == 1:
+        return "thread_cpu", time.thread_time
+    return "wall", time.perf_counter
+
+
+def fastest(fns: dict, passes: int, clock: Callable[[], float] = time.perf_counter) -> dict:
     """key -> the fastest of `passes` timed calls of fns[key], the keys interleaved in every pass (after one
     warm-up call each)."""
     for fn in fns.values():
@@ -31,9 +47,9 @@ def fastest(fns: dict, passes: int) -> dict:
     best = {k: float("inf") for k in fns}
     for _ in range(passes):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
+            best[k] = min(best[k], clock() - t0)
     return best
 
 
@@ -43,6 +59,7 @@ def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
     from specpd.draft.eagle_proposer import EagleProposer
     from specpd.draft.hybrid import HybridProposer
     runner, pool = spec_runner.runner, spec_runner.runner.kv_pool
+    clock_name, clock = calibration_clock()
     page_size, alloc = pool.page_size, pool.allocator
     # use at most half the free pages: shrink the cached context, then the largest row count
     avail = (alloc.num_free // 2) * page_size
@@ -70,8 +87,8 @@ def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
         target(grid[-1], 1)()  # first-call costs out of the table
         fns = {("rows", r): target(r, 1) for r in grid}
         fns[("batch", 1)], fns[("batch", 2)] = target(1, BATCH), target(2, BATCH)
-        t = fastest(fns, passes)
-        target_rows = monotone(with_matmul_steps(runner.model, {r: t["rows", r] for r in grid}, passes))
+        t = fastest(fns, passes, clock)
+        target_rows = monotone(with_matmul_steps(runner.model, {r: t["rows", r] for r in grid}, passes, clock))
         per_request = max(0.0, (t["batch", 1] - target_rows[min(BATCH, grid[-1])]) / (BATCH - 1))
         # BATCH requests of 2 rows each against the table's price for their rows (CostModel.tree_factor)
         tree_rows = min(2 * BATCH, grid[-1])
@@ -91,13 +108,14 @@ def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
                 hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
                 return lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r], [pages[:big_pages]],
                                                       step=1), step=1)
-            draft_rows = monotone(fastest({r: draft(r) for r in DRAFT_GRID if r <= grid[-1]}, passes))
+            draft_rows = monotone(fastest({r: draft(r) for r in DRAFT_GRID if r <= grid[-1]}, passes, clock))
     finally:
         alloc.free(pages)
-    return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor)
+    return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor, clock=clock_name)
 
 
-def with_matmul_steps(model, table: dict[int, float], passes: int) -> dict[int, float]:
+def with_matmul_steps(model, table: dict[int, float], passes: int,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
     """The target's cost at every row count up to the table's last, on CPU: a GEMM library's cost steps where
     its row blocking changes, and a sparse grid's interpolation misses the steps, which is what speculating at
     batch 8 pays. Each count's value: the forward's interpolation plus how far the matmuls at that count (one
@@ -113,7 +131,7 @@ def with_matmul_steps(model, table: dict[int, float], passes: int) -> dict[int, 
     def layer_matmuls(rows: int):
         xs = [(m, torch.randn(rows, m.in_features).to(dtype)) for m in linears]
         return lambda: [m(x) for m, x in xs]
-    t = fastest({r: layer_matmuls(r) for r in range(1, top + 1)}, passes)
+    t = fastest({r: layer_matmuls(r) for r in range(1, top + 1)}, passes, clock)
     matmul = {r: len(model.layers) * s for r, s in t.items()}
     grid = PiecewiseLinear({r: matmul[r] for r in table})
     forward = PiecewiseLinear(table)

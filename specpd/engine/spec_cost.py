@@ -1,15 +1,16 @@
 """The adaptive policy's cost model (spec_policy.py): seconds of one target forward by (requests, rows) and of
 one draft forward by rows, measured at startup (spec_calibration.calibrate) and corrected online: every decode
-round's timing scales the whole table (`CostModel.scale`), so a verify row keeps its measured share of a round,
-and what speculating rounds cost outside the target forward scales the draft's prices (`CostModel.draft_scale`)."""
+round's timing scales the whole table, target and draft alike (`CostModel.scale`), so a verify row and a draft
+forward keep their measured shares of a round, and what speculating rounds cost outside the target forward
+beyond that scales the draft's prices further (`CostModel.draft_scale`)."""
 from __future__ import annotations
 
 import bisect
 
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 DRAFT_SCALE_RANGE = (0.5, 8.0)
-SCALE_READING = (0.5, 2.0)  # one decode round's pull on `CostModel.scale` is bounded (a descheduled round reads
-# several times its cost)
+SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
+# bounded (a descheduled round reads several times its cost); the scale itself follows the box however far
 
 
 class PiecewiseLinear:
@@ -55,7 +56,7 @@ class CostModel:
     """target(requests, rows) and draft(rows) in seconds; draft_step_overhead: Python per draft level."""
 
     def __init__(self, target_rows: dict[int, float], per_request: float, draft_rows: dict[int, float] | None,
-                 frozen: bool = False, tree_factor: float = 1.0):
+                 frozen: bool = False, tree_factor: float = 1.0, clock: str = "wall"):
         self.target_rows = PiecewiseLinear(target_rows)  # one request with `rows` query rows
         self.per_request = per_request  # extra seconds per further request in the batch
         # measured / modelled seconds of a batch whose requests each verify several rows (their attention runs
@@ -64,6 +65,7 @@ class CostModel:
         self.tree_factor = tree_factor
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         self.frozen = frozen
+        self.clock = clock  # what the startup table was timed with: "thread_cpu" or "wall" (spec_calibration)
         # measured / tabled seconds of a decode round's target forward (longer contexts than the calibration's,
         # the box's drift, a core shared with a prefill server), learned online and applied to every row count:
         # what slows a forward on a shared CPU (time slices, memory bandwidth, attention over a longer context)
@@ -71,8 +73,13 @@ class CostModel:
         # 15-58 ms per request above the table, which made a plain round look slow and so a verify row cheap
         # against it, and the policy speculated where it lost. Moving the observed row count's point alone, as
         # the model did before that, once made a batch of 8 see rows 9-23 at one price: verify rows for free.
+        # The draft's prices move with it: the same core runs both. They did not once, and a table timed while
+        # the box was busy (every forward 2x) left a decode server that never speculated pricing its draft at
+        # 2x for good (draft_scale learns only from speculating rounds), its probes and rounds never paying.
         self.scale = 1.0
-        # measured / predicted seconds of what a speculating round adds outside the target forward
+        # measured / predicted seconds of what a speculating round adds outside the target forward, the
+        # prediction already at the online scale: the draft's own drift from its share of the table (Python
+        # around it, trees, verify)
         self.draft_scale = 1.0
         self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
         # a model-free drafter (n-gram): what each speculating request adds outside the target forward (its
@@ -95,14 +102,17 @@ class CostModel:
     def draft(self, rows: int) -> float:
         if rows <= 0 or self.draft_rows is None:
             return 0.0
-        return self.draft_rows(rows) * self.draft_scale
+        return self.draft_rows(rows) * self.scale * self.draft_scale
 
     def observe_target(self, requests: int, rows: int, seconds: float) -> None:
         """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
         if self.frozen or requests <= 0:
             return
         lo, hi = SCALE_READING
-        ratio = min(hi, max(lo, seconds / max(self._table(requests, rows), 1e-9)))
+        # bounded around the scale so far, not around 1: a box running every forward 3x the table (a busy 2-core
+        # box) was read as 2x, while the draft's prices, learned apart from it (draft_scale), followed to 3x and
+        # so read 1.5x their share of a round
+        ratio = min(hi * self.scale, max(lo * self.scale, seconds / max(self._table(requests, rows), 1e-9)))
         self.scale += ONLINE_RATE * (ratio - self.scale)
 
     def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
@@ -121,14 +131,17 @@ class CostModel:
             per = outside_s / requests
             self.off_overhead = per if self.off_overhead is None else \
                 self.off_overhead + ONLINE_RATE * (per - self.off_overhead)
-        elif self.off_overhead is not None:
-            excess = max(outside_s - self.off_overhead * requests, 1e-6)
+        else:
+            # before any round at depth 0 (a server that speculated from its first round) the whole of the round
+            # outside the target counts as the draft's: dearer than it is by a plain round's bookkeeping, never
+            # stuck at the startup price
+            excess = max(outside_s - (self.off_overhead or 0.0) * requests, 1e-6)
             ratio = excess / (predicted_draft_s / self.draft_scale)
             lo, hi = DRAFT_SCALE_RANGE
             self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
 
     def as_dict(self) -> dict:
-        return {"target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
+        return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
                 "off_overhead": self.off_overhead,
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,

@@ -24,11 +24,19 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      so a draft that became useful is noticed (with a draft state, EAGLE-family, a shadow probe: the
      request stays at depth 0, its draft catches up, and the probe's outcome is whether the token the
      plain step commits is the draft's top-1 — no verify row); its draft extend is deferred until it speculates again
-     (SpecRunner keeps the features), so a useless draft costs nothing per step. The deferred tokens are
-     part of what speculating costs (the catch-up extend runs over them), and probes draw on an
+     (SpecRunner keeps the features), so a useless draft costs nothing per step. Probes draw on an
      engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
      while its gain is one request's, so at batch 16 sixteen requests probing on their own schedules
-     would cost far more than one does at batch 1.
+     would cost far more than one does at batch 1. A request whose draft is in step (its first round: the
+     prefill's extend, or under PD the handoff's, left nothing deferred) shadow-probes for free.
+  4b. What the deferred tokens cost: where the engine runs every request's deferred extends when it finishes
+     anyway (`catch_up_settled`: the prefix cache keeps draft KV valid over all a request committed,
+     LLMEngine._finish), a catch-up moves work earlier and adds at most one draft forward, so neither a probe
+     nor a speculating round is charged its rows. Otherwise the rows are what speculating again costs. Charged
+     in full while the engine settled them anyway, a request at depth 0 came back only through a probe whose
+     price grew a row a round; with the draft priced at a busy box's startup reading (0.3-0.9 ms a row) that
+     outgrew what the budget saves (0.5% of a ~47 ms round, at most 64 rounds' worth), and the request, and
+     with it the engine-wide estimate, stayed at depth 0 (a decode server that never speculated, issue 31).
   5. Whatever a speculating round costs outside the target forward (draft forwards, the catch-up,
      building trees and masks, verifying) is measured each round against what the cost model predicted
      for its draft forwards, and the ratio scales the draft costs from then on (`CostModel.draft_scale`).
@@ -76,6 +84,7 @@ class PlanStats:
     rounds: int = 0
     rounds_off: int = 0  # rounds planned at depth 0
     rounds_narrow: int = 0  # rounds planned narrow (the draft's best depth + 1 nodes, not the full tree)
+    probes: int = 0  # request rounds that probed (shadow: at depth 0, the draft's top-1 checked; else depth 1)
     proposed_hist: dict[int, int] = field(default_factory=dict)  # draft tokens proposed per round -> rounds
 
     def record(self, proposed: int, off: bool) -> None:
@@ -86,10 +95,12 @@ class PlanStats:
 
 class AdaptivePolicy:
     def __init__(self, num_steps: int, topk: int, num_draft_tokens: int, cost: CostModel, frozen: bool = False,
-                 shadow: bool = False):
+                 shadow: bool = False, catch_up_settled: bool = False):
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.cost = cost
         self.frozen = frozen
+        # the engine runs every deferred extend when its request finishes (module docstring, 4b)
+        self.catch_up_settled = catch_up_settled
         # shadow probes (a drafter with a draft state, EAGLE-family): a probing request stays at depth 0 and
         # only catches its draft up; whether the token it then commits is the draft's top-1 is the probe's
         # outcome. It costs the catch-up extend without a verify row (at batch 8 one more row crosses the
@@ -187,19 +198,22 @@ class AdaptivePolicy:
         n = len(request_ids)
         if n == 0:
             return []
-        pending = list(pending) if pending is not None else [0] * n
+        deferred = list(pending) if pending is not None else None  # None: the caller tracks no catch-ups
+        pending = deferred or [0] * n
+        # what the decisions charge for the catch-ups (4b); `pending` itself is what the round will run
+        priced = [0] * n if self.catch_up_settled else pending
         key = (tuple(request_ids), other_requests, other_rows, self._observed)
-        if self._idle_holds(key, pending):
+        if self._idle_holds(key, priced):
             # nothing an estimate or a price depends on moved since a search put everyone at depth 0, and the
             # catch-ups only grew (every option's cost grows with them): the search would say depth 0 again
             depth = [0] * n
-            gains = self._probe(request_ids, depth, (None, pending, other_requests, other_rows))
+            gains = self._probe(request_ids, depth, (None, priced, other_requests, other_rows), deferred)
             return self._finish_plan(request_ids, depth, gains, pending)
         # an option k: depth k at full width, -k: depth k narrow; gains[i][k] indexes both (a narrow
         # depth's expectation sits at the list's end, so gains[i][-k] is it)
         gains = self._gains(request_ids)
         options = [o for k in range(1, self.num_steps + 1) for o in ((k, -k) if self.narrow_ok else (k,))]
-        extra = (gains, pending, other_requests, other_rows)
+        extra = (gains, priced, other_requests, other_rows)
         base_time = self._round_time([0] * n, *extra)
         # start from the best option shared by everyone (a draft forward's fixed cost is shared, which
         # one request's marginal view would not see), then let each request move from there
@@ -215,10 +229,10 @@ class AdaptivePolicy:
             # marginal seconds of one request's frontier at draft level s, whether or not it is there now
             add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
             own = [cost.draft(level_rows[s]) - cost.draft(level_rows[s] - self.frontier(s)) for s in range(steps)]
-            ext_total = sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0)
+            ext_total = sum(g[k] + p for g, k, p in zip(gains, depth, priced) if k != 0)
             new = []
             for i in range(n):
-                ext_rows = ext_total - (gains[i][depth[i]] + pending[i] if depth[i] != 0 else 0.0)
+                ext_rows = ext_total - (gains[i][depth[i]] + priced[i] if depth[i] != 0 else 0.0)
                 ext_base = cost.draft(ext_rows)
                 # the batch's rows with this request at depth 0: its verify rows are priced exactly from there
                 # (the CPU kernel's cost steps at row blocks; a derivative at one point misprices k rows)
@@ -228,7 +242,7 @@ class AdaptivePolicy:
                 for k in options:  # a narrow depth drafts as its full one does: only its verify rows differ
                     if k > 1:
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
-                    extend = cost.draft(ext_rows + gains[i][k] + pending[i]) - ext_base
+                    extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
                     value = (gains[i][k] - 1.0) - lam * (verify + draft + extend + cost.spec_overhead)
                     if value > best_v:
@@ -236,13 +250,13 @@ class AdaptivePolicy:
                 new.append(best_k)
             if new == depth:  # a fixed point: lam and every marginal cost would come out the same again
                 if sweep == 0 and not any(depth):
-                    self._idle = (key, list(pending), cost.scale, cost.draft_scale)
+                    self._idle = (key, list(priced), cost.scale, cost.draft_scale)
                 break
             depth = new
             lam = max(lam, sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra))
         if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
-        self._probe(request_ids, depth, extra)
+        self._probe(request_ids, depth, extra, deferred)
         return self._finish_plan(request_ids, depth, gains, pending)
 
     def _idle_holds(self, key: tuple, pending: list[int]) -> bool:
@@ -258,6 +272,7 @@ class AdaptivePolicy:
                      ) -> list[tuple[int, int]]:
         if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
+        # what the round's draft forwards will cost, catch-ups in full (CostModel.observe_round compares)
         self.last_draft_s = self._draft_time(depth, gains, pending)
         for rid, k in zip(request_ids, depth):
             self._narrow[rid] = k < 0
@@ -271,17 +286,20 @@ class AdaptivePolicy:
                      for g, r in zip(gains, request_ids)]
         return gains
 
-    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple) -> list[list[float]] | None:
+    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple, pending: list[int] | None
+               ) -> list[list[float]] | None:
         """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
-        engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only).
-        Returns the round's estimates: extra's, or those a probe after the idle shortcut had to compute."""
+        engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only); with
+        shadow probes, a request whose draft is in step (nothing pending) probes whenever it is at depth 0:
+        its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after the idle
+        shortcut had to compute."""
         ready = []
         for i, rid in enumerate(request_ids):
             st = self._get(rid)
             st.probing = False
             if depth[i] == 0:
                 st.idle_rounds += 1
-                if st.idle_rounds >= st.probe_every:
+                if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and pending[i] == 0):
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:
                 st.idle_rounds = 0
@@ -291,13 +309,14 @@ class AdaptivePolicy:
             self.probe_credit = min(self.probe_credit + PROBE_BUDGET * now, PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now)
         self.shadow_probes = []
         for _, i, st in sorted(ready, key=lambda r: -r[0]):
-            if self.shadow:  # the catch-up extend alone (its rows: the deferred tokens and this round's)
+            if self.shadow:  # the catch-up extend alone
                 if not self.frozen:
-                    cost = self.cost.draft(extra[1][i] + 1)
+                    cost = self._catch_up_cost(pending[i] if pending is not None else None)
                     if cost > self.probe_credit:
                         continue  # stays ready: it probes once the budget allows
                     self.probe_credit -= cost
                 self.shadow_probes.append(request_ids[i])
+                self.stats.probes += 1
                 st.probing, st.idle_rounds = True, 0
                 continue
             depth[i] = 1
@@ -310,8 +329,21 @@ class AdaptivePolicy:
                     continue
                 self.probe_credit -= trial - now
                 now = trial
+            self.stats.probes += 1
             st.probing, st.idle_rounds = True, 0
         return extra[0]
+
+    def _catch_up_cost(self, pending: int | None) -> float:
+        """What bringing a request's draft in step before this round adds: nothing when nothing is deferred;
+        one more draft forward where the engine settles every catch-up anyway (4b) or the caller tracks none
+        (None); else the deferred rows (and, as a round's own extend would, this round's)."""
+        if pending is None:
+            return self.cost.draft(1)
+        if pending <= 0:
+            return 0.0
+        if self.catch_up_settled:
+            return self.cost.draft(1)
+        return self.cost.draft(pending + 1)
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
                     other_rows: int) -> float:
@@ -371,3 +403,4 @@ class AdaptivePolicy:
     def release(self, request_id: str) -> None:
         self._stats.pop(request_id, None)
         self._narrow.pop(request_id, None)
+        self._idle = None  # its estimates are gone: a later request under the same id starts from the prior

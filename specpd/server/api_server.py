@@ -132,6 +132,9 @@ class _Handlers:
         self.role = role
         self.started = int(time.time())
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, engine.max_model_len)
+        spec = getattr(getattr(engine, "config", None), "spec", None)
+        # usage always carries the acceptance fields where this server's requests may speculate (P only prefills)
+        self.speculative = spec is not None and spec.enabled and role != "prefill"
 
     # -- generation ------------------------------------------------------------------------
     async def completions(self, raw: Request):
@@ -147,7 +150,7 @@ class _Handlers:
         else:
             prompt_ids = list(prompt)
         formatter = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
-                                        params.logprobs, req.include_usage)
+                                        params.logprobs, req.include_usage, self.speculative)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
     async def chat_completions(self, raw: Request):
@@ -161,7 +164,8 @@ class _Handlers:
         await self._compile_constraint(req)
         tool = req.tool_call()
         formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
-                                  params.logprobs, req.include_usage, tool_choice=tool[1] if tool else None)
+                                  params.logprobs, req.include_usage, self.speculative,
+                                  tool_choice=tool[1] if tool else None)
         return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
 
     async def _compile_constraint(self, req) -> None:

@@ -30,12 +30,14 @@ def error_body(message: str, param: str | None, code: int,
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
+def usage(out: RequestOutput, speculative: bool = False) -> dict[str, Any]:
+    """speculative: the server speculates, so the acceptance fields are always there (0 verifies, tau null, for a
+    request the adaptive policy served in plain steps only: a client measuring tau sees that, not nothing)."""
     body: dict[str, Any] = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                             "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
                             # OpenAI's field: prompt tokens whose KV came from the prefix cache
                             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-    if out.spec_verify_count:
+    if speculative or out.spec_verify_count:
         body.update(spec_verify_count=out.spec_verify_count, spec_accepted_tokens=out.spec_accepted_tokens,
                     spec_accept_length=out.spec_accept_length)
     return body
@@ -50,13 +52,14 @@ class _Formatter:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, decode_token: Callable[[int], str],
-                 top_logprobs: int | None, include_usage: bool = False):
+                 top_logprobs: int | None, include_usage: bool = False, speculative: bool = False):
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.decode_token = decode_token
         self.top_logprobs = top_logprobs  # None: logprobs not requested
         self.include_usage = include_usage
+        self.speculative = speculative  # usage carries the acceptance fields (`usage`)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -68,7 +71,7 @@ class _Formatter:
         return chunk
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage(out)}
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage(out, self.speculative)}
 
     def _logprobs_of(self, outputs: list[RequestOutput]) -> list[TokenLogprob]:
         return [lp for o in outputs for lp in (o.new_logprobs or [])]
@@ -105,7 +108,7 @@ class CompletionFormatter(_Formatter):
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
         body = self._envelope(self.object_name, [self._choice(last.text, self._logprobs_of(outputs), last)])
-        body["usage"] = usage(last)
+        body["usage"] = usage(last, self.speculative)
         return body
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
@@ -143,7 +146,7 @@ class ChatFormatter(_Formatter):
         choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(self._logprobs_of(outputs)),
                   "finish_reason": finish_reason, "stop_reason": last.stop_reason}
-        return {**self._envelope(self.object_name, [choice]), "usage": usage(last)}
+        return {**self._envelope(self.object_name, [choice]), "usage": usage(last, self.speculative)}
 
     def _delta_chunk(self, delta: dict[str, Any], logprobs: Any = None,
                      finish_reason: str | None = None, stop_reason: Any = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from tests.model.hf_models import save_tiny_model
 
 HEARTBEAT_TIMEOUT_S = 1.0
 STALL_S = 3.0  # three heartbeat timeouts
+REAL_HEARTBEAT_TIMEOUT_S = 0.3  # the real servers' D: P's prefill steps on the default model take seconds
 
 
 @pytest.fixture(scope="module")
@@ -25,21 +26,30 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def stall_next_step(engine, seconds: float, when=lambda: True) -> threading.Event:
+class Stall:
+    """`started` is set when the spin begins; `ended` (and `end_at`, monotonic) when it is over."""
+
+    def __init__(self):
+        self.started, self.ended, self.end_at = threading.Event(), threading.Event(), None
+
+
+def stall_next_step(engine, seconds: float, when=lambda: True) -> Stall:
     """The engine's next step with work (once `when()`) first spins `seconds` in Python (the GIL held but
-    for switch intervals), then steps; the event is set when the spin starts."""
-    step, started = engine.step, threading.Event()
+    for switch intervals), then steps."""
+    step, stall = engine.step, Stall()
 
     def stalled():
-        if not started.is_set() and engine.has_unfinished_requests() and when():
-            started.set()
+        if not stall.started.is_set() and engine.has_unfinished_requests() and when():
+            stall.started.set()
             end, n = time.monotonic() + seconds, 0
             while time.monotonic() < end:
                 n += 1
+            stall.end_at = time.monotonic()
+            stall.ended.set()
         return step()
 
     engine.step = stalled
-    return started
+    return stall
 
 
 class Driver:
@@ -48,16 +58,25 @@ class Driver:
     def __init__(self, worker):
         self.worker, self.outputs, self._stop, self.error = worker, [], threading.Event(), None
         self._calls = queue.SimpleQueue()
+        self._waiting = []  # (condition, fn): run on this thread between two steps, the first time it holds
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def call(self, fn):
         self._calls.put(fn)
 
+    def call_when(self, condition, fn):
+        """Run `fn` on this thread between two steps, at the first such moment `condition()` holds there: what
+        `condition` checked is still so when `fn` runs (the worker does not move in between)."""
+        self._calls.put(lambda: self._waiting.append((condition, fn)))
+
     def _run(self):
         while not self._stop.is_set():
             while not self._calls.empty():
                 self._calls.get()()
+            for entry in [e for e in self._waiting if e[0]()]:
+                self._waiting.remove(entry)
+                entry[1]()
             try:
                 self.outputs += self.worker.step()
             except RuntimeError as e:  # the engine thread dies, as AsyncEngine's would
@@ -92,36 +111,37 @@ def wait_for(cond, timeout_s: float, what: str):
         time.sleep(0.01)
 
 
-def ping_rtts(endpoint: str, seconds: float) -> list[Heartbeat | float]:
-    """Heartbeat P's control socket from a DEALER of our own every 50 ms: [(round trip s, reply)]."""
+def ping_during(endpoint: str, stall: Stall) -> list[tuple[float, float, Heartbeat]]:
+    """Heartbeat P's control socket from a DEALER of our own every 50 ms until `stall` is over; the pings
+    answered before it ended: [(sent, answered, reply)] (monotonic)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    out, seq, end = [], 0, time.monotonic() + seconds
+    out, seq = [], 0
     try:
-        while time.monotonic() < end:
+        while not stall.ended.is_set():
             seq += 1
             sent = time.monotonic()
             send_message(sock, Heartbeat("probe", seq, time.time()))
             assert sock.poll(5000), f"P did not answer heartbeat {seq} within 5 s"
             reply = recv_message(sock)
-            out.append((time.monotonic() - sent, reply))
+            out.append((sent, time.monotonic(), reply))
             time.sleep(0.05)
     finally:
         sock.close(0)
-    return out
+    return [(sent, answered, reply) for sent, answered, reply in out if answered < stall.end_at]
 
 
 def test_a_busy_prefill_answers_heartbeats_and_its_rooms_survive(model_dir):
     p, d = make_workers(model_dir, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     expected = make_engine(model_dir).generate([PROMPTS[1]], GREEDY)[0].token_ids
-    stalled = stall_next_step(p.engine, STALL_S)
+    stall = stall_next_step(p.engine, STALL_S)
     drivers = [Driver(p), Driver(d)]
     try:
         start_room(drivers, 31, PROMPTS[1], "0")
-        assert stalled.wait(10), "P's engine never started the room's prefill"
-        rtts = ping_rtts(p.endpoint, STALL_S - 0.5)  # all inside P's stalled step
-        wait_for(lambda: drivers[1].finished("d0"), 30, "D never finished the request")
+        assert stall.started.wait(30), "P's engine never started the room's prefill"
+        pings = ping_during(p.endpoint, stall)  # answered inside P's stalled step, by its clock
+        wait_for(lambda: drivers[1].finished("d0"), 60, "D never finished the request")
     finally:
         for drv in drivers:
             drv.stop()
@@ -129,13 +149,21 @@ def test_a_busy_prefill_answers_heartbeats_and_its_rooms_survive(model_dir):
         out = drivers[1].finished("d0")
         assert out.error is None and out.token_ids == expected
         assert drivers[0].finished("p0").finish_reason == "handoff"
-        times = sorted(t for t, _ in rtts)
-        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
-        assert len(times) >= 20 and p99 < 0.1, times  # DESIGN.md §6 asks < 1 s; a GIL switch is 5 ms here
-        assert all(r.rooms_queued == 1 and r.step_s > 0 for _, r in rtts), [r for _, r in rtts]
-        assert "busy with 1 rooms queued" in rtts[-1][1].load
+        # the stall is three heartbeat timeouts long: answered at least once in each, every answer quicker than
+        # the timeout, and P never silent for one (D's rule) till the step's end; DESIGN.md §6 asks < 1 s
+        assert len(pings) >= STALL_S / HEARTBEAT_TIMEOUT_S, pings
+        rtts = sorted(answered - sent for sent, answered, _ in pings)
+        answers = [answered for _, answered, _ in pings] + [stall.end_at]
+        silences = [b - a for a, b in zip(answers, answers[1:])]
+        print(f"\n{len(pings)} pings answered during the {STALL_S:g} s step: round trip p50 "
+              f"{1000 * rtts[len(rtts) // 2]:.1f} ms, max {1000 * rtts[-1]:.1f} ms; longest silence "
+              f"{1000 * max(silences):.0f} ms (heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s)")
+        assert rtts[-1] < HEARTBEAT_TIMEOUT_S and max(silences) < HEARTBEAT_TIMEOUT_S, (rtts, silences)
+        assert all(r.rooms_queued == 1 and r.step_s > 0 for _, _, r in pings), [r for _, _, r in pings]
+        assert "busy with 1 rooms queued" in pings[-1][2].load
         hb = d.stats()["pd_heartbeat_rtt_ms"]  # D's own pings, answered during the stall too
-        assert hb["count"] >= 2 and hb["max"] < 1000, hb
+        print(f"D's heartbeats: {hb}")
+        assert hb["count"] >= 2 and hb["max"] < 1000 * HEARTBEAT_TIMEOUT_S, hb
         assert p.free_pages == d.free_pages == 64
     finally:
         p.close()
@@ -156,14 +184,16 @@ def test_a_long_decode_step_is_not_prefill_silence(model_dir):
             info = BootstrapInfo("127.0.0.1", p.bootstrap.port, room)
             p.expect(f"p{i}", info)
             d.bootstrap(f"d{i}", info)
+        stall = stall_next_step(d.engine, STALL_S, when=lambda: 42 in d.transfer_queue)
         drivers[0].call(lambda: p.add_request("p0", PROMPTS[0], params))
-        drivers[1].call(lambda: d.add_request("d0", PROMPTS[0], params))
-        wait_for(lambda: d.engine.has_unfinished_requests(), 20, "the first room never reached D's batch")
-        stalled = stall_next_step(d.engine, STALL_S, when=lambda: 42 in d.transfer_queue)
         drivers[0].call(lambda: p.add_request("p1", PROMPTS[1], params))
-        drivers[1].call(lambda: d.add_request("d1", PROMPTS[1], params))
-        assert stalled.wait(10), "D never stalled with room 42 offered"
-        wait_for(lambda: drivers[1].finished("d0") and drivers[1].finished("d1"), 30, "D never finished")
+        drivers[1].call(lambda: d.add_request("d0", PROMPTS[0], params))
+        # room 42 is offered in D's next step, with room 41 in D's batch by construction: it has 39 tokens to
+        # go when it is first seen there (right after its y0), so that step runs the engine and stalls
+        drivers[1].call_when(lambda: d.engine.has_unfinished_requests(),
+                             lambda: d.add_request("d1", PROMPTS[1], params))
+        assert stall.started.wait(60), "D never stalled with room 42 offered"
+        wait_for(lambda: drivers[1].finished("d0") and drivers[1].finished("d1"), 60, "D never finished")
     finally:
         for drv in drivers:
             drv.stop()
@@ -204,7 +234,9 @@ def test_a_prefill_whose_engine_died_falls_silent(model_dir):
 
 def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_nothing():
     """Real P and D processes on the default model, a heartbeat timeout of 0.3 s and a batch of 600-token
-    prompts whose prefill steps take seconds: every request completes, D saw P busy, pages come back."""
+    prompts whose prefill steps take seconds: every request completes, P answered D's heartbeats within the
+    timeout, pages come back. The premise, a prefill step of P's longer than two heartbeat timeouts, is read
+    from P's own step times; a box fast enough to break it skips (the case did not arise)."""
     from specpd.model.loader import load_checkpoint
     from specpd.server.launch import free_port
     from tests.disagg.test_pd_e2e import servers, wait_free_pages
@@ -214,7 +246,7 @@ def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_noth
     boot = free_port()
     args = ["--model", "default", "--num-threads", "1", "--transfer-backend", "tcp"]
     specs = [["--role", "prefill", "--bootstrap-port", str(boot), *args],
-             ["--role", "decode", "--pd-heartbeat-timeout", "0.3", *args]]
+             ["--role", "decode", "--pd-heartbeat-timeout", str(REAL_HEARTBEAT_TIMEOUT_S), *args]]
     with servers(specs) as (p_url, d_url):
         with servers([["--role", "router", "--prefill", p_url, "--decode", d_url]]) as (router,):
             body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -224,9 +256,15 @@ def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_noth
                                       range(3)))
                 elapsed = time.monotonic() - t0
             assert [r.status_code for r in resps] == [200] * 3, [r.text for r in resps]
-            assert elapsed > 0.6  # the prefills took longer than two heartbeat timeouts
-            d_info = httpx.get(d_url + "/server_info").json()
-            assert d_info["pd_heartbeat_rtt_ms"]["count"] > 0 and d_info["pd_heartbeat_rtt_ms"]["p99"] < 300
+            longest_step = httpx.get(p_url + "/server_info").json()["pd_stages"]["p_prefill_chunk"]["max_ms"] / 1000
+            hb = httpx.get(d_url + "/server_info").json()["pd_heartbeat_rtt_ms"]
+            print(f"\n3 requests in {elapsed:.2f} s; P's longest prefill step {longest_step:.2f} s; D's heartbeat "
+                  f"round trips {hb} (timeout {REAL_HEARTBEAT_TIMEOUT_S:g} s)")
+            # a reply slower than the timeout is what D would take for a dead P
+            assert hb["count"] > 0 and hb["max"] < 1000 * REAL_HEARTBEAT_TIMEOUT_S, hb
             for base in (p_url, d_url):
-                info = wait_free_pages(base)
+                info = wait_free_pages(base, 30)
                 assert info["free_pages"] == info["total_pages"], (base, info)
+    if longest_step <= 2 * REAL_HEARTBEAT_TIMEOUT_S:
+        pytest.skip(f"P's longest prefill step took {longest_step:.2f} s, not two heartbeat timeouts "
+                    f"({REAL_HEARTBEAT_TIMEOUT_S:g} s): the case did not arise")

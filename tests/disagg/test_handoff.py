@@ -235,6 +235,60 @@ def test_seeded_sampling_and_top_logprobs_match_unified(spec_model_dir, tmp_path
         d.close()
 
 
+def record_plans(engine, cost) -> list:
+    """Every round's plan of the engine's adaptive policy, priced by `cost` (one table for every engine: the
+    startup measurement is the one input that differs from run to run), as (steps, probed) per request."""
+    policy = engine.spec_runner.policy
+    policy.cost = cost
+    rounds, plan = [], policy.plan
+
+    def recording(request_ids, *args, **kwargs):
+        out = plan(request_ids, *args, **kwargs)
+        rounds.append([(steps, rid in policy.shadow_probes) for rid, (steps, _) in zip(request_ids, out)])
+        return out
+    policy.plan = recording
+    return rounds
+
+
+@pytest.mark.parametrize("mode", ["both", "decode-only"])
+def test_a_committed_handoff_plans_the_unified_engines_rounds_with_the_policy_as_served(spec_model_dir, tmp_path,
+                                                                                          mode):
+    """The adaptive policy NOT pinned (engine-wide learning, probes on their budget, the free probe of a draft
+    in step), requests one at a time as a client sends them, one cost table for both sides: D plans every round
+    of every request exactly as the unified engine does. A committed handoff starts with the draft state (both:
+    P's, decode-only: D's own extend) and the policy state the unified engine's request has after its prefill:
+    nothing deferred, its first-round top-k (issue 31 asked whether it did; this is the check)."""
+    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.engine.spec_cost import CostModel
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
+                            seed=2)
+    # the shipped shape: the head's tree with n-grams merged in (the tiny model's loops feed them)
+    spec = SpecConfig("eagle3", draft_model=str(tmp_path), draft_mode=mode, spec_ngram_min_match=1)
+    prompts = [[5, 17, 99, 3, 5, 17, 99, 3, 8], list(range(40, 61)) * 2, list(range(1, 33)), [7, 7, 1]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cost = CostModel({1: 0.050, 2: 0.051, 4: 0.052, 8: 0.06, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010},
+                     frozen=True)  # no online refinement: the one input a box's timing would move
+    unified = make_engine(spec_model_dir, spec=spec)
+    assert not unified.spec_runner.policy.frozen
+    want_rounds = record_plans(unified, cost)
+    want = [unified.generate([prompt], params)[0] for prompt in prompts]
+    p, d = make_workers(spec_model_dir, spec)
+    got_rounds = record_plans(d.engine, cost)
+    try:
+        got = [run_pd(p, d, [prompt], params, room_base=2000 + 10 * i)["d0"] for i, prompt in enumerate(prompts)]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got_rounds == want_rounds
+        assert [(o.spec_verify_count, o.spec_accepted_tokens) for o in got] == \
+               [(o.spec_verify_count, o.spec_accepted_tokens) for o in want]
+        assert d.engine.spec_runner.policy.global_accept == unified.spec_runner.policy.global_accept
+        assert any(steps for r in want_rounds for steps, _ in r)  # it speculated
+        assert any(probed for r in want_rounds for _, probed in r)  # and probed
+        assert p.free_pages == 64 and d.free_pages == 64
+    finally:
+        p.close()
+        d.close()
+
+
 def test_duplicate_room_is_refused_and_the_first_owner_finishes(model_dir):
     from specpd.core import InvalidRequest
     from specpd.disagg.decode import DecodeWorker

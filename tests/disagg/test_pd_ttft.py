@@ -8,8 +8,10 @@ random Llama with a random EAGLE-3 head, draft-on-decode-only, the adaptive poli
   one debug log line on P and one on D; durations that contain others (each on its own clock) are not
   shorter than them (D's wait for the record covers P's prefill once P had D's destination; the router's
   TTFT covers D's).
-- y0 leaves D when D commits, not after D's next forward: D's commit -> first token out is a fraction of one
-  of D's decode steps; the streamed tokens and acceptance counts equal the unified engine's.
+- The streamed tokens and acceptance counts equal the unified engine's; D's commit -> first token out and
+  D's decode step are printed, not bounded (a loaded or a fast box moves both).
+- y0 leaves D when D commits, not after D's next forward (in one process, D stepped by hand: the step that
+  commits a room returns y0 alone, before any forward of D has scheduled the request).
 """
 import json
 import statistics
@@ -126,20 +128,68 @@ def test_ttft_breakdown_and_y0_leaves_at_once(dirs):
                     stages[stage] = info["pd_stages"][stage]
         p_text, d_text = open(p_log).read(), open(d_log).read()  # the launcher removes the logs on exit
     s = {name: v["sum_s"] for name, v in stages.items()}
-    slack = n * 2e-3  # a mark taken just after a send or a step's end: the OS may preempt in between
+    rounding = 1e-5  # sum_s is rounded to the microsecond
+    # every containment is causal (each start mark is taken before the message that starts the other stage
+    # leaves, each end mark after the message that ends it came), so it holds however the OS schedules.
     # D's wait for the record contains P's prefill after P had D's destination (optimistic prefill: P may start
     # before D offers its pages, by at most P's own wait for the destination)
-    assert s["d_wait_record"] >= s["p_prefill"] + s["p_record"] - s["p_wait_destination"] - slack
-    assert s["router_ttft"] >= s["d_ttft"] - slack
-    assert s["d_ttft"] >= s["d_wait_record"] + s["d_wait_kv"]
-    assert s["p_total"] >= s["p_prefill"] + s["p_kv_write"]
-    assert s["p_prefill"] >= s["p_prefill_chunk"] - 1e-5
-    # y0 out at commit: a fraction of a decode step (it used to wait for D's next forward, at least one step)
+    assert s["d_wait_record"] >= s["p_prefill"] + s["p_record"] - s["p_wait_destination"] - rounding, s
+    assert s["router_ttft"] >= s["d_ttft"] - rounding, s
+    assert s["d_ttft"] >= s["d_wait_record"] + s["d_wait_kv"] - rounding, s
+    assert s["p_total"] >= s["p_prefill"] + s["p_kv_write"] - rounding, s
+    assert s["p_prefill"] >= s["p_prefill_chunk"] - rounding, s
+    # y0 out at commit is test_y0_leaves_d_before_the_forward_that_decodes_it's (no clock); here it is measured
     step = statistics.median(gaps)
-    assert stages["d_first_token_out"]["p50_ms"] / 1000 < 0.25 * step, (stages["d_first_token_out"], step)
-    print(f"d_first_token_out {stages['d_first_token_out']}, D step {1000 * step:.2f} ms")
+    print(f"\nd_first_token_out {stages['d_first_token_out']}, D step (median gap between streamed chunks) "
+          f"{1000 * step:.2f} ms")
     p_lines = [line for line in p_text.splitlines() if f"({PROMPT_LEN} tokens, 4 chunks): p_admit" in line]
     d_lines = [line for line in d_text.splitlines() if f"({PROMPT_LEN} tokens): d_admit" in line]
     assert len(p_lines) == len(d_lines) == n, (len(p_lines), len(d_lines))
     assert all("p_prefill_chunk [" in line and "p_kv_write" in line for line in p_lines)
     assert all("d_first_token_out" in line for line in d_lines)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["non-spec", "eagle3-decode-only"])
+def test_y0_leaves_d_before_the_forward_that_decodes_it(dirs, spec):
+    """P and D in this process, stepped by hand, one room at a time as the client above sends them: the D step
+    that commits a room returns its y0 alone, and no forward of D has scheduled the request yet (y0 used to
+    leave with the outputs of the forward that decodes it). Causal, so no box is too slow or too fast for it."""
+    from specpd.disagg.worker import BootstrapInfo
+    from tests.disagg.test_handoff import make_workers
+    model_dir, draft_dir = dirs
+    cfg = SpecConfig("eagle3", draft_model=draft_dir, spec_num_steps=3, draft_mode="decode-only",
+                     spec_adaptive_pinned=True) if spec else None
+    p, d = make_workers(model_dir, cfg, page_size=16, local_prefill_tokens=0)  # every room prefilled on P
+    scheduled: set[str] = set()  # request ids any of D's forwards has scheduled
+    schedule = d.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        scheduled.update(item.request.request_id for item in batch.items)
+        return batch
+
+    d.engine.scheduler.schedule = recording_schedule
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(PROMPTS[:3]):
+            info = BootstrapInfo("127.0.0.1", p.bootstrap.port, 3000 + i)
+            p.expect(f"p{i}", info)
+            p.add_request(f"p{i}", prompt[:40], params)
+            d.bootstrap(f"d{i}", info)
+            d.add_request(f"d{i}", prompt[:40], params)
+            first, final, deadline = None, None, time.monotonic() + 120
+            while final is None:
+                assert time.monotonic() < deadline, f"room {i} never finished on D"
+                p.step()
+                for out in d.step():
+                    assert out.request_id == f"d{i}" and out.error is None, out
+                    if first is None and out.new_token_ids:
+                        first = (list(out.new_token_ids), out.request_id in scheduled)
+                    if out.finished:
+                        final = out
+            assert first == ([final.token_ids[0]], False), (first, final.token_ids)
+            assert len(final.token_ids) == params.max_tokens
+        assert p.free_pages == d.free_pages == 64
+    finally:
+        p.close()
+        d.close()

@@ -37,9 +37,16 @@ class StandIn:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def server_info(self):
-        return {"role": self.role, "pid": 1, "free_pages": 8, "total_pages": 8, "bootstrap_port": 9,
+        info = {"role": self.role, "pid": 1, "free_pages": 8, "total_pages": 8, "bootstrap_port": 9,
                 "spec_verify_count": 10 if self.tau else 0, "spec_accept_length": self.tau,
                 "internal_states": [{"avg_spec_accept_length": self.tau}]}
+        if self.tau:  # a decode server's adaptive policy (LLMEngine._policy_stats)
+            info.update(spec_rounds=40, spec_rounds_off=30, spec_rounds_off_share=0.75, spec_probes=3,
+                        spec_policy={"accept": [0.4, 0.5], "cost_model": {
+                            "clock": "thread_cpu", "target_rows": {"1": 0.047, "2": 0.047, "8": 0.052, "64": 0.2},
+                            "draft_rows": {"1": 0.003, "64": 0.02}, "per_request": 0.001, "tree_factor": 1.0,
+                            "scale": 1.1, "draft_scale": 1.2}})
+        return info
 
     async def completions(self, raw: Request):
         body = await raw.json()
@@ -182,6 +189,22 @@ def test_server_info_lists_backend_objects_as_sglang_reads_them(cluster):
     from tests.server.test_server_info import sglang_accept_length
     assert sglang_accept_length(router) == 2.5
     assert json.dumps(info)  # plain JSON all the way down
+
+
+def test_each_decode_servers_depth0_share_tau_and_cost_model_are_shown(cluster):
+    """/server_info's decode_spec and /metrics put every decode server's depth-0 share beside its tau and the
+    cost model it calibrated (a D that never or always speculates shows it, and its table shows why)."""
+    p, d, router = cluster
+    [summary] = httpx.get(router + "/server_info").json()["decode_spec"]
+    assert summary["url"] == d.url and summary["spec_rounds_off_share"] == 0.75 and summary["spec_accept_length"] == 2.5
+    assert summary["cost_model"]["clock"] == "thread_cpu"
+    assert summary["cost_model"]["target_rows"] == {"1": 0.047, "2": 0.047, "8": 0.052}  # 1..16 rows
+    text = httpx.get(router + "/metrics").text
+    label = f'decode="{d.url}"'
+    for line in (f"specpd:decode_spec_rounds_off_share{{{label}}} 0.75", f"specpd:decode_spec_accept_length{{{label}}} 2.5",
+                 f'specpd:decode_spec_cost_target_seconds{{{label},rows="8"}} 0.052',
+                 f"specpd:decode_spec_cost_scale{{{label}}} 1.1", f"specpd:decode_spec_probes{{{label}}} 3.0"):
+        assert line in text, text
 
 
 def test_an_open_host_without_a_key_is_warned_about(cluster):

@@ -49,3 +49,62 @@ def test_draft_scale_follows_what_speculating_rounds_cost_outside_the_target():
     assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
     cost.observe_round(4, 1.0, True, 0.0)  # a model-free drafter's round: nothing to scale
     assert cost.draft_scale == pytest.approx(3.0, rel=0.05)
+
+
+def test_the_draft_prices_move_with_the_online_scale():
+    """What slows the target on this core slows the draft alike: a table timed while the box was busy (every
+    forward read 2x) is corrected for both by the rounds that follow, so a draft forward keeps its measured share
+    of a round. The draft once kept its startup price, which only speculating rounds could correct: a decode
+    server that never speculated priced its draft at 2x its share for good (issue 31)."""
+    cost = CostModel({r: (40 + 2.5 * r) * MS for r in range(1, 65)}, per_request=1 * MS,
+                     draft_rows={1: 3 * MS, 64: 10 * MS})
+    share = cost.draft(8) / cost.target(1, 1)
+    for _ in range(100):
+        cost.observe_target(1, 1, cost._table(1, 1) / 2)  # the startup table read every forward 2x
+    assert cost.scale == pytest.approx(0.5, rel=0.01) and cost.draft_scale == 1.0
+    assert cost.draft(8) / cost.target(1, 1) == pytest.approx(share)
+
+
+def test_draft_scale_learns_in_a_server_that_speculates_from_its_first_round():
+    """No round at depth 0 yet (so no plain round's bookkeeping to subtract): the whole of a speculating round
+    outside the target counts as the draft's, and the draft's price still follows what it costs."""
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 10 * MS})
+    for _ in range(100):
+        cost.observe_round(4, 3 * cost.draft_rows(8), True, cost.draft(8))
+    assert cost.off_overhead is None and cost.draft_scale == pytest.approx(3.0, rel=0.05)
+
+
+def test_with_one_thread_the_table_is_timed_in_this_threads_cpu_time():
+    """A forward that waits for the core (another process's time slice; here, a sleep) reads what it computed,
+    not how long it waited: with one torch thread every forward runs on the calling thread. Timed in wall time, a
+    1P1D cluster's decode server calibrating while its prefill server loaded, on a shared 2-core box, got a table
+    of another shape at every start (issue 31)."""
+    import time
+
+    import torch
+
+    from specpd.engine.spec_calibration import calibration_clock, fastest
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        name, clock = calibration_clock()
+        assert name == "thread_cpu"
+        t = fastest({"waits": lambda: time.sleep(0.05)}, passes=2, clock=clock)
+        assert t["waits"] < 0.01
+        torch.set_num_threads(2)
+        assert calibration_clock()[0] == "wall"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_scale_follows_a_box_slower_than_twice_the_table():
+    """One reading's pull is bounded around the scale so far (a descheduled round), not the scale itself: a box
+    running every forward 3x the table is learned as 3x (it stopped at 2x once, while the draft's own correction
+    followed to 3x: a draft forward then read 1.5x its share of a round)."""
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 10 * MS})
+    for _ in range(200):
+        cost.observe_target(1, 1, 3 * 50 * MS)
+    assert cost.scale == pytest.approx(3.0, rel=0.01)
+    for _ in range(200):
+        cost.observe_target(1, 1, 50 * MS / 4)  # a table timed on a busier box than this one
+    assert cost.scale == pytest.approx(0.25, rel=0.01)

@@ -174,6 +174,20 @@ def test_completion_response_and_chunks():
     assert fmt.usage_chunk(outs[-1])["choices"] == []
 
 
+def test_a_speculating_servers_usage_always_carries_the_acceptance_fields():
+    """A request the adaptive policy served in plain steps only (or one its first token ended): 0 verifies, tau
+    null, not no fields (a client measuring tau sees why); with verifies, the counts."""
+    outs = _outputs()
+    assert CompletionFormatter("c", "m", _tok, None, speculative=True).response(outs)["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0},
+        "spec_verify_count": 0, "spec_accepted_tokens": 0, "spec_accept_length": None}
+    assert ChatFormatter("c", "m", _tok, None, True, speculative=True).usage_chunk(outs[-1])["usage"][
+        "spec_accept_length"] is None
+    outs[-1].spec_verify_count, outs[-1].spec_accepted_tokens, outs[-1].spec_committed_tokens = 2, 1, 3
+    usage = ChatFormatter("c", "m", _tok, None, speculative=True).response(outs)["usage"]
+    assert (usage["spec_verify_count"], usage["spec_accepted_tokens"], usage["spec_accept_length"]) == (2, 1, 1.5)
+
+
 def test_chat_response_and_chunks():
     outs = _outputs()
     body = ChatFormatter("chatcmpl-1", "m", _tok, 2).response(outs)

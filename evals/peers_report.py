@@ -1,0 +1,146 @@
+"""What evals/bench_peers.py makes of its measurements: the per-cell summary over reps, the machine's CPU
+features, the printed table, the plot and the estimate of a run's wall time."""
+from __future__ import annotations
+
+import statistics
+import subprocess
+
+FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+# a run's time where it has not measured the server yet: start-up s, output tok/s at c1 (SmolLM2-135M on a
+# 2-core AVX-512/AMX box), and the throughput gain of c8 / c32 over c1 (rough: a 135M model's decode is
+# mostly per-step overhead, batching amortizes it)
+GUESS_STARTUP_S = {"specpd": 12.0, "vllm": 100.0, "llamacpp": 2.0}
+GUESS_C1_TOK_S = {"specpd": 18.0, "vllm": 18.0, "llamacpp": 60.0}
+GUESS_GAIN = {1: 1.0, 8: 4.0, 32: 8.0}
+
+
+def lscpu() -> dict:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("Flags", "").split())
+    return {"lscpu_model_name": fields.get("Model name"), "cpu_family_model_stepping":  # a VM may hide the name
+            "/".join(fields.get(k, "?") for k in ("CPU family", "Model", "Stepping")), "cpus": fields.get("CPU(s)"),
+            "cores_per_socket": fields.get("Core(s) per socket"), "threads_per_core": fields.get("Thread(s) per core"),
+            "cpu_flags": {f: f in flags for f in FLAGS_OF_INTEREST}}
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs):
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else None
+
+
+def summarize_cell(reps: list[dict]) -> dict:
+    """Median over reps of each rep's figure, with the min-max spread; times in ms."""
+    ms = lambda key: [r[key] * 1e3 if r.get(key) is not None else None for r in reps]  # noqa: E731
+    out = {"reps": len(reps), "num_errors": sum(r["num_errors"] for r in reps)}
+    for key, values in (("tpot_p50_ms", ms("tpot_p50_s")), ("tpot_p99_ms", ms("tpot_p99_s")),
+                        ("ttft_p50_ms", ms("ttft_p50_s")), ("output_tok_s", [r["output_tok_s"] for r in reps]),
+                        ("tau", [r.get("tau") for r in reps])):
+        out[key], out[key + "_spread"] = _median(values), _spread(values)
+    return out
+
+
+def matching_prefix(a: list[int] | str, b: list[int] | str) -> int | None:
+    """How many leading tokens two greedy outputs share (None when either is an error string)."""
+    if not isinstance(a, list) or not isinstance(b, list):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def parity_report(servers: dict, num_prompts: int, num_tokens: int) -> dict:
+    """Each server's greedy parity tokens (its first rep's) against specpd plain's at the same dtype and at
+    fp32: the matching prefix per prompt, and whether every prompt matched all `num_tokens`."""
+    def tokens(name):
+        got = [r["parity_tokens"] for r in servers.get(name, {}).get("reps", []) if "parity_tokens" in r]
+        return got[0] if got else None
+
+    out = {"prompts": num_prompts, "max_tokens": num_tokens, "servers": {}}
+    for name in servers:
+        mine, row = tokens(name), {}
+        for ref_name in sorted({f"specpd/plain/{name.rsplit('/', 1)[1]}", "specpd/plain/fp32"} - {name}):
+            ref = tokens(ref_name)
+            if mine is not None and ref is not None:
+                prefix = [matching_prefix(x, y) for x, y in zip(mine, ref)]
+                row[f"vs_{ref_name}"] = {"matching_prefix": prefix, "equal": all(p == num_tokens for p in prefix)}
+        out["servers"][name] = row
+    return out
+
+
+def table(report: dict) -> str:
+    """One line per server and cell: TPOT p50 / p99, TTFT p50, tok/s, τ (medians over reps)."""
+    lines = [f"{'server':26s} {'cell':14s} {'TPOT p50':>9s} {'p99':>7s} {'TTFT p50':>9s} {'tok/s':>7s} "
+             f"{'tau':>5s} {'start s':>7s} {'idle cpu':>8s}"]
+    for name, cells in report.get("cells", {}).items():
+        reps = [r for r in report["servers"][name]["reps"] if "startup_s" in r]
+        start = _median([r["startup_s"] for r in reps])
+        idle = _median([r["idle_cpu_share"] for r in reps])
+        for key, c in cells.items():
+            if not c["reps"]:
+                continue
+            f = lambda v, w, p=1: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
+            lines.append(f"{name:26s} {key:14s} {f(c['tpot_p50_ms'], 9)} {f(c['tpot_p99_ms'], 7)} "
+                         f"{f(c['ttft_p50_ms'], 9)} {f(c['output_tok_s'], 7)} {f(c['tau'], 5, 2)} "
+                         f"{f(start, 7)} {f(idle, 8, 2)}")
+    for s in report.get("skipped", []):
+        lines.append(f"{s['server']:26s} skipped: {s['reason'][:150]}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [n for n, cells in report["cells"].items() if any(c["reps"] for c in cells.values())]
+    keys = sorted({k for n in names for k, c in report["cells"][n].items() if c["reps"]},
+                  key=lambda k: (k.split("/")[0], int(k.split("/c")[1])))
+    if not names or not keys:
+        return
+    colors = {"specpd": "tab:blue", "vllm": "tab:orange", "llamacpp": "tab:green"}
+    fig, axes = plt.subplots(len(keys), 1, figsize=(max(8, 0.55 * len(names) + 2), 2.8 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        ys = [report["cells"][n][key]["tpot_p50_ms"] or 0 for n in names]
+        spread = [report["cells"][n][key]["tpot_p50_ms_spread"] or [y, y] for n, y in zip(names, ys)]
+        ax.bar(range(len(names)), ys, color=[colors.get(n.split("/")[0], "gray") for n in names],
+               yerr=[[y - s[0] for y, s in zip(ys, spread)], [s[1] - y for y, s in zip(ys, spread)]], capsize=2)
+        for i, n in enumerate(names):
+            tau = report["cells"][n][key]["tau"]
+            if tau:
+                ax.text(i, ys[i], f"τ{tau:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), [n.replace("/", "\n") for n in names], fontsize=7)
+        ax.set_ylabel("TPOT p50 (ms)")
+        ax.set_title(key, fontsize=9)
+    m = report.get("machine", {})
+    fig.suptitle(f"specpd vs peers, SmolLM2-135M, {m.get('lscpu_model_name')} x{m.get('cpus')}, greedy, "
+                 f"{report['args']['max_tokens']} tokens (median of {report['args']['reps']} reps, min-max)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def estimate_s(args, specs, report: dict | None) -> float:
+    """Seconds a run of `args` over `specs` should take: start-ups and cells from `report`'s measurements of
+    the same server where it has them (scaled by GUESS_GAIN for other concurrencies), else GUESS_*."""
+    total = 0.0
+    for spec in specs:
+        measured = (report or {}).get("servers", {}).get(spec.name, {}).get("reps", [])
+        startup = _median([r.get("startup_s") for r in measured]) or GUESS_STARTUP_S[spec.engine]
+        c1 = _median([c["output_tok_s"] for r in measured for k, c in r.get("cells", {}).items() if k.endswith("/c1")])
+        per_rep = startup + 10.0  # + parity prompts, idle probe, shutdown
+        for c in args.concurrency:
+            n = args.requests or max(8, c)
+            tok_s = (c1 or GUESS_C1_TOK_S[spec.engine]) * GUESS_GAIN.get(c, min(c, 8))
+            per_rep += len(args.workloads) * n * args.max_tokens / tok_s
+        total += args.reps * per_rep
+    return total

@@ -1,0 +1,79 @@
+"""The pure parts of evals/bench_peers.py (no server): metrics parsing, τ, parity, summaries, the plan."""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "evals"))
+
+import peers  # noqa: E402
+import peers_report  # noqa: E402
+
+VLLM_METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="default"} 15.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="default"} 45.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="default"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="default",position="0"} 7.0
+vllm:num_requests_running{engine="0",model_name="default"} NaN
+"""
+
+
+def test_parse_prometheus_sums_labelled_samples_and_ignores_other_metrics():
+    got = peers.parse_prometheus(VLLM_METRICS + 'vllm:spec_decode_num_drafts_total{engine="1"} 5\n',
+                                 peers.VLLM_SPEC_COUNTERS)
+    assert got == {"vllm:spec_decode_num_accepted_tokens_total": 9.0, "vllm:spec_decode_num_drafts_total": 20.0,
+                   "vllm:spec_decode_num_draft_tokens_total": 45.0}
+
+
+def test_vllm_tau_is_one_plus_accepted_per_draft_over_the_cell():
+    before = peers.parse_prometheus(VLLM_METRICS, peers.VLLM_SPEC_COUNTERS)
+    after = {"vllm:spec_decode_num_accepted_tokens_total": 9.0 + 30, "vllm:spec_decode_num_drafts_total": 15.0 + 20,
+             "vllm:spec_decode_num_draft_tokens_total": 45.0 + 60}
+    got = peers.vllm_tau(before, after)
+    assert got["tau"] == 1 + 30 / 20 and got["drafts"] == 20 and got["acceptance_rate"] == 0.5
+    assert peers.vllm_tau(before, before) is None  # no verify in the cell: no τ
+
+
+def test_specpd_counters_from_server_info():
+    assert peers.specpd_counters({"spec_accept_length": 2.5, "spec_verify_count": 10}) == (25.0, 10.0)
+    assert peers.specpd_counters({"spec_accept_length": None, "spec_verify_count": 0}) == (0.0, 0.0)
+
+
+def test_matching_prefix_and_parity_report():
+    assert peers_report.matching_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert peers_report.matching_prefix([1, 2], [1, 2]) == 2
+    assert peers_report.matching_prefix("error: x", [1]) is None
+    servers = {"specpd/plain/fp32": {"reps": [{"parity_tokens": [[1, 2, 3], [4, 5, 6]]}]},
+               "vllm/plain/fp32": {"reps": [{"parity_tokens": [[1, 2, 3], [4, 5, 6]]}]},
+               "vllm/plain/bf16": {"reps": [{"failed": "x"}, {"parity_tokens": [[1, 9, 3], [4, 5, 6]]}]}}
+    got = peers_report.parity_report(servers, 2, 3)["servers"]
+    assert got["vllm/plain/fp32"] == {"vs_specpd/plain/fp32": {"matching_prefix": [3, 3], "equal": True}}
+    assert got["vllm/plain/bf16"] == {"vs_specpd/plain/fp32": {"matching_prefix": [1, 3], "equal": False}}
+    assert got["specpd/plain/fp32"] == {}
+
+
+def test_summarize_cell_takes_medians_and_spreads_over_reps():
+    reps = [{"num_errors": 0, "tpot_p50_s": t, "tpot_p99_s": 2 * t, "ttft_p50_s": 0.1, "output_tok_s": 1 / t,
+             "tau": None} for t in (0.05, 0.04, 0.06)]
+    got = peers_report.summarize_cell(reps)
+    assert round(got["tpot_p50_ms"], 6) == 50.0 and [round(x, 6) for x in got["tpot_p50_ms_spread"]] == [40.0, 60.0]
+    assert got["tau"] is None and got["tau_spread"] is None and got["reps"] == 3
+
+
+def test_unsupported_cells_name_their_reason():
+    assert "GGUF" in peers.unsupported("llamacpp", "eagle3", "q4_1")
+    assert peers.unsupported("llamacpp", "ngram", "q4_1") is None
+    assert peers.unsupported("vllm", "eagle3", "bf16") is None
+
+
+def test_specpd_gets_a_dtype_flag_only_off_its_default():
+    assert "--dtype" not in peers.specpd_spec("plain", "fp32", "float32").cmd
+    assert peers.specpd_spec("eagle3", "bf16", "float32").cmd[-2:] == ("--dtype", "bfloat16")
+    assert "--dtype" not in peers.specpd_spec("ngram", "bf16", "bfloat16").cmd
+
+
+def test_estimate_uses_measured_startup_and_throughput():
+    spec = peers.specpd_spec("plain", "fp32", "float32")
+    args = argparse.Namespace(concurrency=[1], requests=8, max_tokens=96, workloads=["chat"], reps=2)
+    report = {"servers": {spec.name: {"reps": [{"startup_s": 5.0, "cells": {"chat/c1": {"output_tok_s": 96.0}}}]}}}
+    assert peers_report.estimate_s(args, [spec], report) == 2 * (5.0 + 10.0 + 8 * 96 / 96.0)

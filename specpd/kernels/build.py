@@ -20,7 +20,7 @@ import tempfile
 
 from specpd.machine import cpu_flags
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 
 
 def flags() -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from torch import nn
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import ModelConfig
+from specpd.kernels import cpu_ops
 from specpd.kernels.cpu_linear import PackedLinear, mkldnn_ok, pack_linears
 
 
@@ -26,9 +27,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):  # one C pass (specpd/kernels/cpu_ops.py)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)[0]
         # torch's own op: in fp32 bit-identical to HF's x * rsqrt(mean(x^2) + eps) * weight (the
         # HF-equivalence tests check it), fewer ops; in bf16/fp16 it rounds once where HF rounds twice.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm where the kernel runs."""
+        if _fused(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        summed = x + residual
+        return self(summed), summed
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """The C glue kernels run here: CPU, serving (no autograd: a draft trainer's norms keep torch's ops)."""
+    return not torch.is_grad_enabled() and cpu_ops.usable(x)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -173,7 +188,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = apply_linear(self.gate_up_proj, x).split(self.intermediate, dim=-1)
+        gate_up = apply_linear(self.gate_up_proj, x)
+        if _fused(gate_up):
+            return apply_linear(self.down_proj, cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return apply_linear(self.down_proj, F.silu(gate) * up)
 
 
@@ -186,9 +204,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, backend, meta, rows: "OutputRows | None" = None):
-        """rows: the output only at rows.index (every row's K/V is still written)."""
-        h = (x if rows is None else x[rows.index]) + self.self_attn(self.input_layernorm(x), rope, backend, meta, rows)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """The layer's output x + attn + mlp. rows: the output only at rows.index (every row's K/V is still
+        written)."""
+        out, residual = self.forward_split(x, None, rope, backend, meta, rows)
+        return out + residual
+
+    def forward_split(self, h: torch.Tensor, residual: torch.Tensor | None, rope, backend, meta,
+                      rows: "OutputRows | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer over the input h + residual (residual None: h alone), returned unsummed as (mlp output,
+        the residual stream after attention): the sum is fused into the next layer's input norm (vLLM's
+        layout), so a residual add costs no pass of its own."""
+        if residual is None:
+            normed, residual = self.input_layernorm(h), h
+        else:
+            normed, residual = self.input_layernorm.add_norm(h, residual)
+        attn = self.self_attn(normed, rope, backend, meta, rows)
+        if rows is not None:
+            residual = residual[rows.index]
+        normed, residual = self.post_attention_layernorm.add_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class CausalLM(nn.Module):
@@ -215,14 +249,17 @@ class CausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions [T] -> (normed hidden [T, H], captured hidden inputs of the
         requested layers [T, H] each, e.g. for EAGLE-3's fused aux hidden states)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions, x.dtype)
+        h = self.embed_tokens(input_ids)
+        residual = None  # the stream is h + residual (DecoderLayer.forward_split)
+        rope = self.rotary.table(positions, h.dtype)
         captured = []
         for i, layer in enumerate(self.layers):
-            if i in capture_layers:
-                captured.append(x)
-            x = layer(x, rope, backend, meta)
-        return self.norm(x), captured
+            if i in capture_layers:  # the layer's input, summed (EAGLE-3's aux features)
+                if residual is not None:
+                    h, residual = h + residual, None
+                captured.append(h)
+            h, residual = layer.forward_split(h, residual, rope, backend, meta)
+        return self.norm.add_norm(h, residual)[0], captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head is not None:

@@ -173,11 +173,6 @@ typedef struct {
   void* out;
 } Args;
 
-static inline int64_t slot_off(const Args* a, int64_t b, int64_t pos) {
-  int64_t page = a->page_table[b * a->max_pages + pos / a->ps];
-  return page * a->page_stride + (pos % a->ps) * a->pos_stride;
-}
-
 /* one work item: sequence b, kv head h, query rows [r0, r0 + nr) of the sequence */
 static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a->D, G = a->Hq / a->Hkv, V = nr * G;  /* V query vectors: row-major (row, group head) */
@@ -210,7 +205,14 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
   for (int64_t c = 0; c < last; c += CH) {
     const int64_t n = (last - c < CH) ? last - c : CH;
     int64_t offs[CH];
-    for (int64_t j = 0; j < n; j++) offs[j] = slot_off(a, b, c + j) + h * a->head_stride;
+    {  /* slot offsets of the chunk's positions, walking pages (no division per key) */
+      int64_t pg = c / a->ps, within = c % a->ps;
+      const int32_t* table = a->page_table + b * a->max_pages;
+      for (int64_t j = 0; j < n; j++) {
+        offs[j] = (int64_t)table[pg] * a->page_stride + within * a->pos_stride + h * a->head_stride;
+        if (++within == a->ps) { within = 0; pg++; }
+      }
+    }
 #if defined(__AVX512F__) && CH == 16
     if (D % 16 == 0) {  /* keys transposed in registers, 16 x 16 blocks */
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -236,8 +238,14 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
        probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
     float vis[nr][CH], keep[nr][CH];
     int64_t act[V], nact = 0;  /* the vectors whose row sees some key of the chunk */
+    const int full = n == CH && c + CH <= prefix;  /* the whole chunk lies before the mask block: all visible */
     for (int64_t i = 0; i < nr; i++) {
       const int64_t row = r0 + i;
+      if (full) {
+        for (int64_t j = 0; j < CH; j++) { vis[i][j] = 0.0f; keep[i][j] = 1.0f; }
+        for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
+        continue;
+      }
       int any = 0;
       for (int64_t j = 0; j < CH; j++) {
         int64_t pos = c + j;
@@ -332,7 +340,7 @@ int specpd_attention(int dt,
     items += Hkv * ((ql + RB - 1) / RB);
     work += ql * (int64_t)kv_lens[b] * Hq;
   }
-  #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work > 65536)
+  #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work > 8192)
   for (int64_t it = 0; it < items; it++) {
     int64_t rest = it, b = 0;
     for (; b < B; b++) {

@@ -135,7 +135,9 @@ def with_matmul_steps(model, table: dict[int, float], passes: int,
     matmul = {r: len(model.layers) * s for r, s in t.items()}
     grid = PiecewiseLinear({r: matmul[r] for r in table})
     forward = PiecewiseLinear(table)
-    return {r: forward(r) + matmul[r] - grid(r) for r in range(1, top + 1)}
+    # a step is a deviation of the matmuls alone: it can halve nothing (on a tiny model the matmuls are
+    # microseconds, and their noise must not drive a row's price to zero or below)
+    return {r: max(0.5 * forward(r), forward(r) + matmul[r] - grid(r)) for r in range(1, top + 1)}
 
 
 def monotone(table: dict[int, float]) -> dict[int, float]:

@@ -214,7 +214,7 @@ class AdaptivePolicy:
         gains = self._gains(request_ids)
         options = [o for k in range(1, self.num_steps + 1) for o in ((k, -k) if self.narrow_ok else (k,))]
         extra = (gains, priced, other_requests, other_rows)
-        base_time = self._round_time([0] * n, *extra)
+        base_time = max(self._round_time([0] * n, *extra), 1e-9)
         # start from the best option shared by everyone (a draft forward's fixed cost is shared, which
         # one request's marginal view would not see), then let each request move from there
         uniform = max([0] + options,
@@ -350,8 +350,8 @@ class AdaptivePolicy:
         req, rows = other_requests + len(depth), other_rows + sum(self.rows(k) for k in depth)
         plain = self.cost.target(req, other_rows + len(depth))
         target = plain + (self.cost.target(req, rows) - plain) * self.cost.tree_factor
-        return (target + self._draft_time(depth, gains, pending)
-                + self.cost.spec_overhead * sum(1 for k in depth if k != 0))
+        return max(1e-9, target + self._draft_time(depth, gains, pending)  # (never 0: rates divide by it)
+                   + self.cost.spec_overhead * sum(1 for k in depth if k != 0))
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""

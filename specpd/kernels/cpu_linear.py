@@ -1,14 +1,21 @@
 """Linear layers for CPU serving: weights prepacked once at load for oneDNN (torch's mkldnn ops).
 
-bf16 (AMX / AVX512-BF16): `mkldnn._linear_pointwise` on a weight reordered once into oneDNN's blocked layout.
-On an AMX box the tiles make 1..64 rows cost about what reading the weight costs (evals/bench_gemm.py), which
-is what speculative verify and batched decode need. fp32: one row (decode at batch 1) streams the [in, out]
-copy through MKL's gemv, which reads it fastest; two rows and more take oneDNN's packed fp32 GEMM (MKL's sgemm
-packs the weight on every call at few rows). The choice per dtype and row count is measured
-(evals/bench_gemm.py → evals/results/gemm.json), not assumed.
+`mkldnn._linear_pointwise` on a weight reordered once into oneDNN's blocked layout, bf16 (AMX / AVX512-BF16)
+and fp32 alike. On an AMX box bf16 rows 1..16 cost what reading the weight costs and 64 rows 1.4x that
+(evals/bench_gemm.py -> evals/results/gemm.json), which is what speculative verify and batched decode need.
+
+Batch invariance: a row's result must not depend on how many rows share its GEMM, or a verify row (or a
+decode row beside other requests) could round differently from the same row decoded alone and greedy
+speculation would stop being bit-identical to plain decoding. oneDNN's packed fp32 GEMM gives every row the
+same result for any M >= 2, and its one-row path (a gemv) sums in another order: one row is therefore run as
+two (the second a zero row). bf16 is invariant up to 32 rows (a wider batch takes another kernel: a batch
+of more than 32 rows in bf16 rounds differently; fp32 stays exact at any width). Measured on this box
+(tests/model/test_cpu_linear.py checks both). MKL's fp32 gemv over an [in, out] copy streams one row ~25%
+faster, but is not invariant: it is not used.
 
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
-weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Inference only: no autograd.
+weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
+F.linear over the unpacked weight, so a draft trainer can backpropagate through a packed target's head.
 """
 from __future__ import annotations
 
@@ -18,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMV_FP32_MAX_ROWS = 1  # fp32 rows up to this many stream the [in, out] copy (MKL gemv); more: oneDNN packed
-PACK_ROWS_HINT = 16  # oneDNN picks the blocked layout for this many rows; measured flat from 1 to 64 rows
+PACK_ROWS_HINT = 16  # oneDNN picks the blocked layout for this many rows (bf16 rows 1..32 one kernel with it)
 
 
 @functools.cache
@@ -33,7 +39,7 @@ def mkldnn_ok(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W prepacked for oneDNN (and, fp32, an [in, out] copy for one-row gemv)."""
+    """y = x @ W.T + b with W prepacked for oneDNN; one row runs as two (batch invariance, module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -41,8 +47,6 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
-        # fp32 one-row decode: MKL's gemv over [in, out] (decode at batch 1 is most of a chat's steps)
-        self.weight_t = weight.t().contiguous() if weight.dtype == torch.float32 else None
         self.bias = None if bias is None else bias.detach().clone()
 
     @classmethod
@@ -51,19 +55,18 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The [out, in] weight (fp32: a view of the gemv copy; bf16: unpacked on demand, serving never asks)."""
-        if self.weight_t is not None:
-            return self.weight_t.t()
+        """The [out, in] weight, unpacked on demand (serving never asks)."""
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if x.dim() != 2:
             x = x.reshape(-1, shape[-1])
-        if self.weight_t is not None and x.shape[0] <= GEMV_FP32_MAX_ROWS:
-            out = x @ self.weight_t
-            if self.bias is not None:
-                out = out + self.bias
+        if torch.is_grad_enabled() and x.requires_grad:  # a trainer backpropagating through a frozen packed layer
+            out = F.linear(x, self.weight, self.bias)
+        elif x.shape[0] == 1:  # as two rows: the M >= 2 kernel's rounding (module docstring)
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat([x, torch.zeros_like(x)]), self.packed, self.bias,
+                                                     "none", [], "")[:1]
         else:
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return out if len(shape) == 2 else out.view(*shape[:-1], self.out_features)

@@ -49,3 +49,19 @@ def test_pack_linears_swaps_only_linears():
     assert isinstance(model[1], nn.ReLU) and isinstance(model[2][1], nn.LayerNorm)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,widest", [(torch.float32, 600), (torch.bfloat16, 32)], ids=str)
+def test_a_row_does_not_depend_on_its_batch(dtype, widest):
+    """Batch invariance (cpu_linear's docstring): each row of an M-row GEMM equals that row computed alone, for
+    every M up to `widest` (fp32: any; bf16: oneDNN's kernel for up to 32 rows), on SmolLM2's shapes."""
+    if not mkldnn_ok(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} here")
+    gen = torch.Generator().manual_seed(1)
+    for out_f, in_f in ((960, 576), (576, 1536), (3072, 576)):
+        lin = PackedLinear((torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype), None)
+        x = torch.randn(widest, in_f, generator=gen).to(dtype)
+        with torch.inference_mode():
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(widest)])
+            for m in sorted({2, 3, 8, 16, 32, widest} & set(range(2, widest + 1))):
+                assert torch.equal(lin(x[:m]), alone[:m]), (out_f, in_f, m)

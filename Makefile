@@ -34,7 +34,7 @@ serve: install
 
 # In-process suites run on two workers with one thread each (on 2 cores: 7 min -> 3.5 min). The suites that
 # start real servers run after them, also on two workers (a test mostly waits on its servers: the box is half
-# idle with one); the ones that time their servers (heartbeats, restarts, "413 within 1 s", the TTFT
+# idle with one); the ones whose servers watch the clock (heartbeats, restarts, the TTFT
 # breakdown, a bootstrap timeout) then run alone.
 SERVER_TESTS := tests/disagg tests/server tests/grammar
 TIMED_TESTS := tests/disagg/test_control_plane.py tests/disagg/test_faults.py tests/disagg/test_cluster.py \

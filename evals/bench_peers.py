@@ -24,12 +24,14 @@ start to /health 200), in an order rotated rep by rep; every server first answer
   make peers && .venv/bin/python evals/bench_peers.py            # the canonical run: hours, on a quiet box
   .venv/bin/python evals/bench_peers.py --quick                  # smoke: 1 rep, c1, chat, 4 prompts, 32 tokens
   .venv/bin/python evals/bench_peers.py --engines specpd,vllm --configs plain,eagle3 --dtypes fp32 --concurrency 1
+  .venv/bin/python evals/bench_peers.py --servers '*/bf16,*/plain/fp32' --reps 2   # a subset by server name
   .venv/bin/python evals/bench_peers.py --estimate               # print the full run's estimated time, run nothing
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import fnmatch
 import json
 import os
 import subprocess
@@ -238,6 +240,8 @@ def server_specs(args, default_dtype: str, skipped: list[dict]) -> list[peers.Se
         for config in args.configs:
             for engine in args.engines:
                 name = f"{engine}/{config}/{'q4_1' if engine == 'llamacpp' else dtype}"
+                if args.servers and not any(fnmatch.fnmatch(name, pat) for pat in args.servers):
+                    continue
                 why = peers.peer_unavailable(engine) or peers.unsupported(engine, config, name.rsplit("/", 1)[1])
                 if why:
                     if not any(s["server"] == name for s in skipped):
@@ -281,6 +285,9 @@ def main() -> int:
     ap.add_argument("--dtypes", type=csv, default=list(DTYPES))
     ap.add_argument("--workloads", type=csv, default=list(WORKLOADS))
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in csv(s)], default=[1, 8, 32])
+    ap.add_argument("--servers", type=csv, default=[],
+                    help="only the servers whose engine/config/dtype name matches one of these globs "
+                         "(e.g. '*/bf16,*/plain/fp32'); default: every combination of the lists above")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default: max(8, concurrency))")
@@ -337,7 +344,7 @@ def main() -> int:
     report["parity"] = parity_report(servers, len(parity), PARITY_TOKENS)
     report["bench_wall_s"] = time.perf_counter() - t_start
     full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),
-                                 "requests": None, "max_tokens": 96, "engines": list(ENGINES),
+                                 "requests": None, "max_tokens": 96, "engines": list(ENGINES), "servers": [],
                                  "configs": list(CONFIGS), "dtypes": list(DTYPES)})
     full_specs = server_specs(full, default_dtype, [])
     report["estimate_full_run_s"] = estimate_s(full, full_specs, report)  # from this run's start-ups and c1 tok/s

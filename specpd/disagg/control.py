@@ -8,7 +8,9 @@ never waits on the engine, so a long prefill batch or decode step never makes a 
   thread in its inbox.
 - `DecodeControl` (D): one DEALER per P, created on the first message to it; pings every P that owes D rooms
   each HEARTBEAT_INTERVAL_S and stamps every message from a P on its own clock (`heard`), so D's own long
-  engine step never reads as P's silence.
+  engine step never reads as P's silence. A monitor on each DEALER records when its TCP connection to P
+  dropped (`lost`): a P process that exited closes it at once, so D asks P's bootstrap server again before
+  it trusts that route, however soon a restarted P is back (a frozen P keeps its connection).
 The engine threads (prefill.py, decode.py) talk to these through ControlThread's inbox and commands
 (worker.py).
 """
@@ -20,6 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from specpd.disagg.messages import (ConfigMismatch, DecodeRegister, Heartbeat, KVDestination, TransferFailed,
                                     check_compatible, encode)
@@ -110,6 +113,9 @@ class DecodeControl(ControlThread):
         self.interval_s = min(HEARTBEAT_INTERVAL_S, worker.heartbeat_timeout_s / 4)
         self.sockets: dict[bytes, zmq.Socket] = {}  # P's control endpoint -> DEALER (control thread only)
         self.heard: dict[str, float] = {}  # P's endpoint -> monotonic arrival of its last message
+        # P's endpoint -> monotonic time its connection dropped, while it stays down (read by HTTP threads)
+        self.lost: dict[str, float] = {}
+        self._monitors: dict[bytes, zmq.Socket] = {}  # P's endpoint -> its DEALER's monitor (PAIR)
         self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
         self.owing: frozenset[str] = frozenset()  # endpoints of Ps that owe us rooms (set by the engine thread)
         self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
@@ -125,9 +131,33 @@ class DecodeControl(ControlThread):
         if sock is None:
             sock = self.sockets[endpoint] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            self._monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sock.connect(endpoint.decode())
             self.poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _read_monitors(self, now: float) -> None:
+        """Connection events of the DEALERs since the last tick: a dropped one goes to `lost` until it is back."""
+        for endpoint, mon in self._monitors.items():
+            while True:
+                try:
+                    event = zmq_monitor.recv_monitor_message(mon, flags=zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                name = endpoint.decode()
+                if event == zmq.EVENT_DISCONNECTED:
+                    self.lost.setdefault(name, now)
+                elif event == zmq.EVENT_CONNECTED:
+                    self.lost.pop(name, None)
+
+    def _drop_socket(self, endpoint: bytes) -> None:
+        sock, mon = self.sockets.pop(endpoint, None), self._monitors.pop(endpoint, None)
+        if sock is not None:
+            self.poller.unregister(sock)
+            sock.disable_monitor()
+            sock.close(0)
+        if mon is not None:
+            mon.close(0)
 
     def _on_peer(self, sock, endpoint: bytes, msg, arrived_at: float) -> None:
         name = endpoint.decode()
@@ -148,13 +178,12 @@ class DecodeControl(ControlThread):
 
     def _on_command(self, frames: list[bytes]) -> None:
         if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
-            sock = self.sockets.pop(frames[1], None)
-            if sock is not None:
-                self.poller.unregister(sock)
-                sock.close(0)
+            self._drop_socket(frames[1])
             self._pinged.pop(frames[1].decode(), None)
+            self.lost.pop(frames[1].decode(), None)
 
     def _tick(self, now: float) -> None:
+        self._read_monitors(now)
         for endpoint in self.owing:
             if now - self._pinged.get(endpoint, 0.0) < self.interval_s:
                 continue
@@ -169,8 +198,8 @@ class DecodeControl(ControlThread):
         return min(CONTROL_TICK_S, self.interval_s)
 
     def _close_sockets(self) -> None:
-        for sock in self.sockets.values():
-            sock.close(0)
+        for endpoint in list(self.sockets):
+            self._drop_socket(endpoint)
 
     def rtt_ms(self) -> dict:
         rtts = sorted(self.rtt_s)

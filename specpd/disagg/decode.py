@@ -4,8 +4,8 @@ A request's life on D, keyed by its `bootstrap_room`:
   0. bootstrap (HTTP handler, before submit): `GET /route` on P's bootstrap server gives P's control endpoint
      and PeerConfig (transfer backend included); `check_compatible` refuses a mismatched P with HTTP 400 naming
      both values (an unreachable bootstrap server: HTTP 502). The route is cached per P while P answers;
-     one not heard for ROUTE_TRUST_S (or found gone) is asked again, so a restarted P's new control port is
-     found however soon it is back.
+     one not heard for ROUTE_TRUST_S, found gone, or whose connection dropped (the process exited) is asked
+     again, so a restarted P's new control port is found however soon it is back.
   1. prealloc queue: pages for positions 0..N-1 are reserved from the engine's allocator (waits while the
      pool is short); then `DecodeRegister` and `KVDestination` (transfer session, pool layouts, page ids) go
      to P over a DEALER socket (one per P).
@@ -49,8 +49,8 @@ from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)
 
-# a cached route to P is trusted this long after P last spoke (or was asked): a restarted P (Python, torch, the
-# model) takes longer than this to answer again, and a P that owes rooms is heard at every heartbeat
+# a cached route to P is trusted this long after P last spoke (or was asked), while its connection holds (a P
+# that exited dropped it: DecodeControl.lost); a P that owes rooms is heard at every heartbeat
 ROUTE_TRUST_S = 2 * HEARTBEAT_INTERVAL_S
 
 
@@ -127,9 +127,11 @@ class DecodeWorker(DisaggWorker):
         now = received_at = time.monotonic()
         with self._lock:
             route, fetched = self._routes.get(key, (None, 0.0))
-        # trust a cached route only while its P was heard (or asked) within ROUTE_TRUST_S: no P restarts that
-        # fast, so a P killed and restarted (a new control endpoint) is asked again, however recently it spoke
-        if route is None or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) > ROUTE_TRUST_S:
+        # trust a cached route only while its P was heard (or asked) within ROUTE_TRUST_S and its connection
+        # has not dropped since: a P killed and restarted (a new control endpoint) closed it when it exited, so
+        # it is asked again however soon it is back and however recently it spoke
+        if (route is None or route.zmq_endpoint in self.control.lost
+                or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) > ROUTE_TRUST_S):
             try:
                 route = fetch_route(info.host, info.port)
             except OSError as e:

@@ -48,12 +48,14 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client hung up first"; no
 
 def create_app(engine, role: str = "unified", engine_priority: str = "normal",
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queued_requests: int | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, engine_thread=None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
     starts with the app's lifespan and stops with it. `api_key` guards /v1/* (PD workers sit behind the
-    router and take none); `max_queued_requests` None: no limit."""
+    router and take none); `max_queued_requests` None: no limit. `engine_thread`: the EngineThread `engine` was
+    built on, to step it there (None: a thread of its own)."""
     metrics = ServerMetrics(lambda: async_engine.stats(), engine.model_name)
-    async_engine = AsyncEngine(engine, metrics, priority=engine_priority, max_queued=max_queued_requests)
+    async_engine = AsyncEngine(engine, metrics, priority=engine_priority, max_queued=max_queued_requests,
+                               thread=engine_thread)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -15,6 +15,7 @@ torch releases the GIL during kernels, so the loop stays responsive while the en
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -98,14 +99,51 @@ def lower_thread_priority() -> bool:
     return True
 
 
+class EngineThread:
+    """The engine's thread: build the engine on it (`run(build)`), then hand it to AsyncEngine, which runs the
+    engine loop there. One thread runs every torch op: a second thread that ran one (the main thread loading
+    the model) keeps an OpenMP team of its own, and with more OpenMP threads than cores libgomp's workers stop
+    spinning between parallel regions, so every GEMM waits for a futex wake (SmolLM2 bf16 at 2 threads on 2
+    cores: a 17 ms decode step took 30 ms, and the cost model, timed on the main thread, did not know).
+    A daemon, like the loop's thread always was: a wedged step never holds the interpreter's exit."""
+
+    def __init__(self, priority: str = "normal"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._priority = priority
+        threading.Thread(target=self._serve, name="specpd-engine", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def run(self, fn, *args):
+        """fn(*args) on the engine thread; its result (or exception) here."""
+        return self.submit(fn, *args).result()
+
+    def _serve(self) -> None:
+        if self._priority == "low":
+            lower_thread_priority()
+        while True:
+            future, fn, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+
+
 class AsyncEngine:
-    def __init__(self, engine, metrics=None, priority: str = "normal", max_queued: int | None = None):
+    def __init__(self, engine, metrics=None, priority: str = "normal", max_queued: int | None = None,
+                 thread: EngineThread | None = None):
         """priority "low": the engine thread runs under SCHED_IDLE (Linux), so the HTTP thread and the KV
         transfer threads of this process run the moment they wake instead of after the engine's time
         slice. On a CPU box where a server owns one core, a KV write otherwise waits for the scheduler at
         every TCP round trip (raw Mooncake between two busy cores: 4.6 GB/s -> 0.43 GB/s).
         max_queued: requests that may wait for their first token (queued for a batch slot, for KV, or in
-        prefill) before `submit` refuses more; None: no limit."""
+        prefill) before `submit` refuses more; None: no limit.
+        thread: the EngineThread the engine was built on, to run the engine loop (every torch op of the
+        process on one thread: one OpenMP team). None: a thread of its own."""
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1 or None, got {max_queued}")
         if priority not in ENGINE_PRIORITIES:
@@ -121,24 +159,26 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()  # replaced (never mutated) by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_first_token = getattr(engine, "on_first_token", None)  # (request id, monotonic time), loop thread
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._running: concurrent.futures.Future | None = None
 
     # -- lifecycle (loop thread) -----------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         if hasattr(self.engine, "set_wakeup"):  # PD workers: peer messages arrive between requests too
             self.engine.set_wakeup(lambda: self._inbox.put(_WAKE))
-        self._thread = threading.Thread(target=self._run, name="specpd-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = EngineThread(self.priority)
+        self._running = self._thread.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self._running is not None and not self._running.done():
             self._inbox.put(_STOP)
-            self._thread.join(timeout)
+            concurrent.futures.wait([self._running], timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats() as of its last step (read without touching the engine)."""

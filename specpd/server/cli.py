@@ -141,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from specpd.engine.llm_engine import LLMEngine
     from specpd.server.api_server import create_app
+    from specpd.server.async_engine import EngineThread
 
     config = config_from_args(args)
     if args.role in ("prefill", "decode"):
@@ -150,31 +151,39 @@ def serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(PD_SWITCH_INTERVAL_S)
         from specpd.disagg.transfer import default_backend
         transfer_backend = args.transfer_backend or default_backend()
-    logger.info("loading %s", config.model)
-    # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
-    # a model-free drafter (ngram) lives on D only
-    engine = LLMEngine(config, with_draft=not (args.role == "prefill" and (config.spec.draft_mode == "decode-only"
-                                                                          or config.spec.model_free)))
     advertise = args.advertise_host or args.host
     if args.role in ("prefill", "decode") and advertise in ("0.0.0.0", "::", ""):
         raise SystemExit(f"specpd serve --role {args.role}: --host {args.host!r} binds every interface, so peers "
                          f"need an address to reach this server: give --advertise-host (e.g. this host's IP)")
-    if args.role == "prefill":
-        from specpd.disagg.prefill import PrefillWorker
-        engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
-                               bootstrap_timeout_s=args.pd_bootstrap_timeout,
-                               optimistic_prefill=args.pd_optimistic_prefill, advertise_host=advertise,
-                               stream_chunks=args.pd_stream_chunks)
-    elif args.role == "decode":
-        from specpd.disagg.decode import DecodeWorker
-        engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
-                              prefill_timeout_s=args.pd_prefill_timeout, transfer_timeout_s=args.pd_transfer_timeout,
-                              heartbeat_timeout_s=args.pd_heartbeat_timeout,
-                              local_prefill_tokens=args.pd_local_prefill_tokens, advertise_host=advertise)
+
+    def build():
+        logger.info("loading %s", config.model)
+        # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
+        # a model-free drafter (ngram) lives on D only
+        engine = LLMEngine(config, with_draft=not (args.role == "prefill" and (
+            config.spec.draft_mode == "decode-only" or config.spec.model_free)))
+        if args.role == "prefill":
+            from specpd.disagg.prefill import PrefillWorker
+            engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
+                                   bootstrap_timeout_s=args.pd_bootstrap_timeout,
+                                   optimistic_prefill=args.pd_optimistic_prefill, advertise_host=advertise,
+                                   stream_chunks=args.pd_stream_chunks)
+        elif args.role == "decode":
+            from specpd.disagg.decode import DecodeWorker
+            engine = DecodeWorker(engine, transfer_backend, args.host, abort_timeout_s=args.pd_abort_timeout,
+                                  prefill_timeout_s=args.pd_prefill_timeout,
+                                  transfer_timeout_s=args.pd_transfer_timeout,
+                                  heartbeat_timeout_s=args.pd_heartbeat_timeout,
+                                  local_prefill_tokens=args.pd_local_prefill_tokens, advertise_host=advertise)
+        return engine
+
+    # loaded, calibrated and stepped on one thread: the engine's torch ops never leave it (EngineThread)
+    engine_thread = EngineThread(args.engine_priority)
+    engine = engine_thread.run(build)
     from specpd.server.admission import warn_if_open
     api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
     warn_if_open(args.host, api_key, f"the {args.role} server")
-    app = create_app(engine, role=args.role, engine_priority=args.engine_priority,
+    app = create_app(engine, role=args.role, engine_priority=args.engine_priority, engine_thread=engine_thread,
                      max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
                      api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

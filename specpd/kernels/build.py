@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import tempfile
 
+import torch  # before any kernel loads: the kernels share torch's libgomp (its OpenMP pool)
+
 from specpd.machine import cpu_flags
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
@@ -38,6 +40,10 @@ def cache_dir() -> str:
     return os.path.join(cache_root(), "kernels")
 
 
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/dtypes.h's codes
+VOID_P, INT64 = ctypes.c_void_p, ctypes.c_int64
+
+
 def source_path(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
 
@@ -47,13 +53,14 @@ def load(filename: str) -> ctypes.CDLL | None:
     """csrc/`filename` compiled for this CPU (cached), or None where it cannot be built."""
     if os.environ.get("SPECPD_C_KERNELS", "1") == "0":
         return None
-    import torch  # noqa: F401  (its libgomp first: the kernels share its OpenMP pool)
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
     with open(source_path(filename), encoding="utf-8") as f:
         source = f.read()
-    key = "\n".join([source, " ".join(flags()), " ".join(sorted(cpu_flags())), cc])
+    csrc = os.path.dirname(source_path(filename))
+    headers = [open(os.path.join(csrc, h), encoding="utf-8").read() for h in sorted(os.listdir(csrc)) if h.endswith(".h")]
+    key = "\n".join([source, *headers, " ".join(flags()), " ".join(sorted(cpu_flags())), cc])
     stem = os.path.splitext(filename)[0]
     path = os.path.join(cache_dir(), f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
     if not os.path.isfile(path):
@@ -63,7 +70,7 @@ def load(filename: str) -> ctypes.CDLL | None:
                 src, out = os.path.join(tmp, filename), os.path.join(tmp, stem + ".so")
                 with open(src, "w", encoding="utf-8") as f:
                     f.write(source)
-                subprocess.run([cc, *flags(), "-o", out, src], check=True, capture_output=True, timeout=300)
+                subprocess.run([cc, *flags(), "-I", csrc, "-o", out, src], check=True, capture_output=True, timeout=300)
                 os.replace(out, path)  # atomic: concurrent builders see the whole file or none
         except (OSError, subprocess.SubprocessError):
             return None

@@ -11,10 +11,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from specpd.kernels.build import load
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+from specpd.kernels.build import DTYPE_CODES, load
+from specpd.kernels.build import INT64 as _I
+from specpd.kernels.build import VOID_P as _P
 
 
 @functools.cache

@@ -143,7 +143,7 @@ class AsyncEngine:
         max_queued: requests that may wait for their first token (queued for a batch slot, for KV, or in
         prefill) before `submit` refuses more; None: no limit.
         thread: the EngineThread the engine was built on, to run the engine loop (every torch op of the
-        process on one thread: one OpenMP team). None: a thread of its own."""
+        process on one thread: one OpenMP team); it was started with `priority`. None: a thread of its own."""
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued must be >= 1 or None, got {max_queued}")
         if priority not in ENGINE_PRIORITIES:
@@ -255,9 +255,7 @@ class AsyncEngine:
         self._streams.clear()
 
     # -- the engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        if self.priority == "low":
-            lower_thread_priority()
+    def _run(self) -> None:  # on the EngineThread, which took the priority when it started
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()

@@ -9,6 +9,7 @@ import bisect
 
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 DRAFT_SCALE_RANGE = (0.5, 8.0)
+SPEC_SCALE_RANGE = (0.5, 8.0)
 SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
 # bounded (a descheduled round reads several times its cost); the scale itself follows the box however far
 
@@ -82,6 +83,14 @@ class CostModel:
         # around it, trees, verify)
         self.draft_scale = 1.0
         self.off_overhead = None  # seconds per request outside the target forward of a round at depth 0
+        # seconds per request (every request of the batch, at any depth) that a round in which any request
+        # speculates adds outside its draft work and the depth-0 bookkeeping: the verify path (trees, verify,
+        # commit) runs for the whole batch. It grows with the batch, not with the draft's rows: charged to the
+        # draft's price (draft_scale), a batch of 32 read its draft at 3x the table and still took rounds where one
+        # request speculated and the round cost 20% more than a plain one (evals/results/peers.json, c32)
+        self.round_overhead = 0.0
+        # measured / priced seconds that speculating adds to a round, over all the parts above (spec_policy 5b)
+        self.spec_scale = 1.0
         # a model-free drafter (n-gram): what each speculating request adds outside the target forward (its
         # proposal, tree, verify, KV compaction); a model drafter's is in draft_scale
         self.spec_overhead = 0.0
@@ -116,10 +125,11 @@ class CostModel:
         self.scale += ONLINE_RATE * (ratio - self.scale)
 
     def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
-                      speculating: int = 0) -> None:
+                      speculating: int = 0, draft_s: float | None = None) -> None:
         """One decode round (no prefill in it): `outside_s` = its seconds outside the target forward,
         `predicted_draft_s` = what `draft` predicted for its draft forwards, `speculating` = its requests
-        above depth 0."""
+        above depth 0, `draft_s` = the seconds of its draft work within outside_s where the caller timed it
+        apart (then the draft's price learns from that alone and the rest is `round_overhead`)."""
         if self.frozen or requests <= 0:
             return
         if speculated and predicted_draft_s <= 0:  # a model-free drafter: no draft forward to scale
@@ -131,6 +141,12 @@ class CostModel:
             per = outside_s / requests
             self.off_overhead = per if self.off_overhead is None else \
                 self.off_overhead + ONLINE_RATE * (per - self.off_overhead)
+        elif draft_s is not None:
+            ratio = max(draft_s, 1e-6) / (predicted_draft_s / self.draft_scale)
+            lo, hi = DRAFT_SCALE_RANGE
+            self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
+            per = max(outside_s - draft_s - (self.off_overhead or 0.0) * requests, 0.0) / requests
+            self.round_overhead += ONLINE_RATE * (per - self.round_overhead)
         else:
             # before any round at depth 0 (a server that speculated from its first round) the whole of the round
             # outside the target counts as the draft's: dearer than it is by a plain round's bookkeeping, never
@@ -140,9 +156,19 @@ class CostModel:
             lo, hi = DRAFT_SCALE_RANGE
             self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
 
+    def observe_spec_extra(self, measured_s: float, predicted_s: float) -> None:
+        """A speculating decode round: `measured_s` = its seconds over a depth-0 round's, as this model prices that
+        one; `predicted_s` = what the plan priced speculating at, before spec_scale."""
+        if self.frozen or predicted_s <= 0:
+            return
+        lo, hi = SPEC_SCALE_RANGE
+        ratio = min(hi, max(lo, max(measured_s, 1e-6) / predicted_s))
+        self.spec_scale = min(hi, max(lo, self.spec_scale * (ratio / self.spec_scale) ** ONLINE_RATE))
+
     def as_dict(self) -> dict:
         return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
-                "off_overhead": self.off_overhead,
+                "off_overhead": self.off_overhead, "round_overhead": self.round_overhead,
+                "spec_scale": self.spec_scale,
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}

@@ -37,12 +37,25 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      price grew a row a round; with the draft priced at a busy box's startup reading (0.3-0.9 ms a row) that
      outgrew what the budget saves (0.5% of a ~47 ms round, at most 64 rounds' worth), and the request, and
      with it the engine-wide estimate, stayed at depth 0 (a decode server that never speculated, issue 31).
-  5. Whatever a speculating round costs outside the target forward (draft forwards, the catch-up,
-     building trees and masks, verifying) is measured each round against what the cost model predicted
-     for its draft forwards, and the ratio scales the draft costs from then on (`CostModel.draft_scale`).
+  5. What a speculating round costs outside the target forward is measured each round in two parts: its
+     draft work (catch-up, proposal, extend) against what the cost model predicted for its draft forwards,
+     whose ratio scales the draft costs from then on (`CostModel.draft_scale`), and the rest (trees, verify,
+     commit: paid by every request of the batch once any speculates) as seconds per request
+     (`CostModel.round_overhead`), charged to any plan that speculates at all.
+  5b. And the whole: a speculating round's measured seconds over what a depth-0 round of the same batch size
+     took (measured, an EMA per batch size) against what the plan priced speculating at scales every price of
+     speculating (`CostModel.spec_scale`). The parts above are read on the shape the
+     startup table was timed on (one request, 128 tokens of context); a verify row at batch 32 over a long
+     context costs more than that, and without this the policy took rounds that cost 10% more than they gave.
   6. A plan that put everyone at depth 0 stands without a search (`_idle_holds`) while the batch, the
      outcomes seen and the online prices stay as they were and the catch-ups only grow: at batch 8 the
      search cost ~0.9 ms a round, ~1% of a round that then only decodes.
+  7. A round that carries a prefill chunk does not speculate. Its price is the chunk's (hundreds of rows), so
+     verify rows look free beside it, but no online reading corrects that price (only decode rounds are
+     read: a chunk's own cost would be read as speculation's), and a speculating round's batch-wide cost
+     (every decode request's verify, the catch-ups) is real: in a closed loop of 32 chat clients such rounds
+     all speculated and the spec server fell 6% behind the same server at depth 0. (A PD decode server has
+     no prefill chunks; the anchors' EAGLE runs a prefill batch apart from the decode batch.)
 It changes speed, never output: the verify is lossless whatever the depth.
 `frozen=True` (tests): no online refinement and no engine-wide learning, so a request's plan depends
 only on its own history (PD and unified then take identical rounds).
@@ -121,6 +134,10 @@ class AdaptivePolicy:
         self._stats: dict[str, RequestStats] = {}
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
         self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
+        # the last plan's (depth-0 round seconds, seconds speculating adds before CostModel.spec_scale), priced;
+        # None when it did not speculate
+        self.last_extra: tuple[float, float] | None = None
+        self._plain_round_s: dict[int, float] = {}  # batch size -> seconds of a depth-0 decode round (EMA)
         # the idle shortcut: a plan that put every request at depth 0 by the search's first pass, and what it
         # was made from (`plan`)
         self._idle: tuple | None = None
@@ -202,13 +219,16 @@ class AdaptivePolicy:
         pending = deferred or [0] * n
         # what the decisions charge for the catch-ups (4b); `pending` itself is what the round will run
         priced = [0] * n if self.catch_up_settled else pending
+        if other_requests and not self.frozen:  # a round with a prefill chunk: depth 0 (module docstring, 7)
+            self.shadow_probes = []
+            return self._finish_plan(request_ids, [0] * n, None, pending, (priced, other_requests, other_rows))
         key = (tuple(request_ids), other_requests, other_rows, self._observed)
         if self._idle_holds(key, priced):
             # nothing an estimate or a price depends on moved since a search put everyone at depth 0, and the
             # catch-ups only grew (every option's cost grows with them): the search would say depth 0 again
             depth = [0] * n
             gains = self._probe(request_ids, depth, (None, priced, other_requests, other_rows), deferred)
-            return self._finish_plan(request_ids, depth, gains, pending)
+            return self._finish_plan(request_ids, depth, gains, pending, (priced, other_requests, other_rows))
         # an option k: depth k at full width, -k: depth k narrow; gains[i][k] indexes both (a narrow
         # depth's expectation sits at the list's end, so gains[i][-k] is it)
         gains = self._gains(request_ids)
@@ -244,7 +264,7 @@ class AdaptivePolicy:
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * (verify + draft + extend + cost.spec_overhead)
+                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale * (verify + draft + extend + cost.spec_overhead)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -257,7 +277,7 @@ class AdaptivePolicy:
         if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
         self._probe(request_ids, depth, extra, deferred)
-        return self._finish_plan(request_ids, depth, gains, pending)
+        return self._finish_plan(request_ids, depth, gains, pending, (priced, other_requests, other_rows))
 
     def _idle_holds(self, key: tuple, pending: list[int]) -> bool:
         """The last all-zero plan still stands: same requests, batch and outcomes seen, no catch-up shorter, and
@@ -268,12 +288,16 @@ class AdaptivePolicy:
         return (abs(self.cost.scale / idle[2] - 1.0) < IDLE_PRICE_DRIFT
                 and abs(self.cost.draft_scale / idle[3] - 1.0) < IDLE_PRICE_DRIFT)
 
-    def _finish_plan(self, request_ids: list[str], depth: list[int], gains, pending: list[int]
+    def _finish_plan(self, request_ids: list[str], depth: list[int], gains, pending: list[int], priced: tuple
                      ) -> list[tuple[int, int]]:
         if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
         # what the round's draft forwards will cost, catch-ups in full (CostModel.observe_round compares)
         self.last_draft_s = self._draft_time(depth, gains, pending)
+        self.last_extra = None
+        if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
+            base = self._round_time([0] * len(depth), gains, *priced)
+            self.last_extra = (base, (self._round_time(depth, gains, *priced) - base) / self.cost.spec_scale)
         for rid, k in zip(request_ids, depth):
             self._narrow[rid] = k < 0
         self.stats.rounds_narrow += sum(1 for k in depth if k < 0)
@@ -350,8 +374,10 @@ class AdaptivePolicy:
         req, rows = other_requests + len(depth), other_rows + sum(self.rows(k) for k in depth)
         plain = self.cost.target(req, other_rows + len(depth))
         target = plain + (self.cost.target(req, rows) - plain) * self.cost.tree_factor
-        return max(1e-9, target + self._draft_time(depth, gains, pending)  # (never 0: rates divide by it)
-                   + self.cost.spec_overhead * sum(1 for k in depth if k != 0))
+        speculating = sum(1 for k in depth if k != 0)
+        extra = (target - plain + self._draft_time(depth, gains, pending) + self.cost.spec_overhead * speculating
+                 + (self.cost.round_overhead * len(depth) if speculating else 0.0))
+        return max(1e-9, plain + self.cost.spec_scale * extra)  # (never 0: rates divide by it)
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
@@ -363,6 +389,26 @@ class AdaptivePolicy:
         return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
 
     # -- feedback ---------------------------------------------------------------------------
+    def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:
+        """A decode round (no prefill in it, no shadow probe) took `seconds` in all, plan to extend. At depth 0 it
+        is what a plain round of this batch costs (an EMA per batch size); a round the last plan speculated in is
+        read against that: what speculating added, over what the plan priced it at, corrects every price of
+        speculating (`CostModel.spec_scale`, module docstring 5b)."""
+        if self.frozen:
+            return
+        if not speculated:
+            old = self._plain_round_s.get(requests)
+            self._plain_round_s[requests] = seconds if old is None else old + GLOBAL_RATE * (seconds - old)
+            return
+        if self.last_extra is None:
+            return
+        base, predicted = self.last_extra
+        plain = self._plain_round_s.get(requests)
+        if plain is None:  # no depth-0 round of this batch read yet: the model's price of one
+            plain = base + (self.cost.off_overhead or 0.0) * requests
+        self.cost.observe_spec_extra(seconds - plain, predicted)
+        self.last_extra = None
+
     def observe(self, request_id: str, proposed_depth: int, num_accepted: int, top_path: int | None = None,
                 shadow: bool = False) -> None:
         """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept, the first

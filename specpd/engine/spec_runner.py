@@ -30,7 +30,7 @@ from specpd.grammar.matcher import mask_logits, mask_tree_logits
 from specpd.kv.pool import KVPool
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
-from specpd.model.sampler import SamplingRow, compute_logprobs, process_logits, sample
+from specpd.model.sampler import SamplingRow, compute_logprobs, greedy_tokens, process_logits, sample
 from specpd.engine.spec_calibration import calibrate
 from specpd.engine.spec_cost import CostModel
 from specpd.engine.spec_policy import AdaptivePolicy
@@ -68,17 +68,22 @@ class SpecRunner:
         requests = [it.request for it in decode]
         plans, shadow = None, set()
         t_round = time.perf_counter()
+        draft_s = 0.0  # the round's draft work (catch-up, proposal, extend): CostModel.observe_round splits by it
         if policy is not None and decode:
             others = [it for it in items if not it.spec_decode]
             pending = [self._pending.get(r.request_id, 0) for r in requests]
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending)
             shadow = set(policy.shadow_probes)  # at depth 0, their drafts caught up: a shadow probe each
+            t0 = time.perf_counter()
             self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow])
+            draft_s = time.perf_counter() - t0
             if not any(steps for steps, _ in plans):
                 return self._plain_round(batch, suppress, t_round, shadow)
+        t0 = time.perf_counter()
         trees = dict(zip((id(it) for it in decode),
                          self.proposer.propose(requests, [it.start for it in decode], plans)))
+        draft_s += time.perf_counter() - t0
         # -- 1. one target forward over every item ------------------------------------------
         ids: list[int] = []
         positions: list[int] = []
@@ -112,13 +117,15 @@ class SpecRunner:
         if policy is not None and len(decode) == len(items):  # a prefill chunk's rows are not a round's
             policy.cost.observe_target(len(items), len(ids), target_s)
         # -- 2. sample / verify ------------------------------------------------------------
-        item_logits, row = [], 0  # per item: a tree's nodes' logits, a sampling prefill's last row's, or None
-        for it, q in zip(items, q_lens):
+        item_logits, item_rows, row = [], [], 0  # per item: a tree's nodes' logits (a view of `logits` from
+        for it, q in zip(items, q_lens):  # item_rows), a sampling prefill's last row's, or None
             n = q if it.spec_decode else int(it.samples)
             item_logits.append(logits[row:row + n] if n else None)
+            item_rows.append(row)
             row += n
-        verdicts = iter(self._verify_all([(it, trees[id(it)], lg) for it, lg in zip(items, item_logits)
-                                          if it.spec_decode], suppress))
+        verify = [j for j, it in enumerate(items) if it.spec_decode]
+        verdicts = iter(self._verify_all([(items[j], trees[id(items[j])], item_logits[j]) for j in verify], suppress,
+                                         logits, [item_rows[j] for j in verify]))
         results: list[SampledTokens] = []
         extends: list[DraftExtend] = []
         offset = 0
@@ -146,12 +153,16 @@ class SpecRunner:
                 extends.append(ext)
         # -- 3. the proposer catches up ----------------------------------------------------
         if extends:
+            t0 = time.perf_counter()
             self.proposer.extend(extends)
+            draft_s += time.perf_counter() - t0
         # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
         if plans is not None and len(decode) == len(items) and not shadow:
             speculating = sum(1 for steps, _ in plans if steps > 0)
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
-                                      policy.last_draft_s, speculating)
+                                      policy.last_draft_s, speculating,
+                                      draft_s=draft_s if not self.proposer.model_free else None)
+            policy.observe_round_time(len(decode), time.perf_counter() - t_round, speculating > 0)
         return results
 
     def _observe_shadow(self, request, committed: list[int]) -> None:
@@ -213,6 +224,7 @@ class SpecRunner:
             self.proposer.extend(extends)
         if decode_only and not shadow:  # a shadow probe's catch-up is not what a depth-0 round costs
             policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
+            policy.observe_round_time(len(items), time.perf_counter() - t_round, False)
         return results
 
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):
@@ -281,23 +293,33 @@ class SpecRunner:
         ext = _prompt_extend(it, token_ids, features)
         return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
-    def _verify_all(self, tree_logits: list, suppress) -> list[tuple[list[int], int, torch.Tensor | None]]:
+    def _verify_all(self, tree_logits: list, suppress, batch_logits: torch.Tensor | None = None,
+                    offsets: list[int] | None = None) -> list[tuple[list[int], int, torch.Tensor | None]]:
         """(accepted path, bonus token, raw logits for logprobs or None) per (item, tree, logits [T, vocab] fp32 at
         the tree's nodes): greedy trees by argmax; sampled ones in one batch (one process_logits over all their
-        nodes, one verify_trees; each request's coins from its own generator, in batch order)."""
+        nodes, one verify_trees; each request's coins from its own generator, in batch order).
+        batch_logits: the round's logits, of which every tree's are the row slice from offsets[j] (views, so the
+        grammar masks write into it): the greedy trees' argmax is then one call over all of them (at batch 32 an
+        argmax per tree cost 3 ms a round, as much as the verify rows of the requests that speculated)."""
         runner = self.runner
         out: list = [None] * len(tree_logits)
-        sampled = []
+        sampled, greedy = [], []
         for j, (it, tree, logits) in enumerate(tree_logits):
             req = it.request
             if req.grammar is not None:  # every node against the target masked by the grammar state at that node
                 mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
             raw = logits.clone() if req.params.logprobs is not None else None
-            if req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id):
-                out[j] = (*verify_greedy(tree, logits.argmax(dim=-1)), raw)
-            else:
-                sampled.append(j)
-                out[j] = (None, None, raw)
+            greedy_row = req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id)
+            (greedy if greedy_row else sampled).append(j)
+            out[j] = (None, None, raw)
+        if greedy and batch_logits is not None:  # one argmax over the round's rows, read at each tree's
+            argmax = greedy_tokens(batch_logits)
+            for j in greedy:
+                tree, row = tree_logits[j][1], offsets[j]
+                out[j] = (*verify_greedy(tree, argmax[row:row + tree.num_nodes]), out[j][2])
+        else:
+            for j in greedy:
+                out[j] = (*verify_greedy(tree_logits[j][1], greedy_tokens(tree_logits[j][2])), out[j][2])
         if sampled:
             rows = [self._row(tree_logits[j][0], tree_path_tokens(tree_logits[j][1], node), suppress)
                     for j in sampled for node in range(tree_logits[j][1].num_nodes)]

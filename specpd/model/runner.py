@@ -21,7 +21,7 @@ from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
 from specpd.model.quant import check_config as check_quant_config
 from specpd.model.quant import quantize_model
-from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, process_logits,
+from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, greedy_tokens, process_logits,
                                   sample)
 
 
@@ -159,7 +159,7 @@ class ModelRunner:
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw = logits.clone() if want_logprobs else logits
         if greedy_fast_path(rows):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
         else:
             tokens = sample(process_logits(logits, rows), rows, self.shared_generator)
         logprobs = compute_logprobs(raw, tokens, rows) if want_logprobs else [None] * len(rows)

@@ -2,6 +2,7 @@
 import pytest
 
 from specpd.engine.spec_cost import CostModel, PiecewiseLinear
+from specpd.engine.spec_policy import AdaptivePolicy
 
 MS = 1e-3
 
@@ -108,3 +109,36 @@ def test_the_scale_follows_a_box_slower_than_twice_the_table():
     for _ in range(200):
         cost.observe_target(1, 1, 50 * MS / 4)  # a table timed on a busier box than this one
     assert cost.scale == pytest.approx(0.25, rel=0.01)
+
+
+def test_a_speculating_rounds_batch_wide_overhead_is_not_the_drafts_price():
+    """With the draft work timed apart (draft_s), the draft's price follows that alone, and what the round
+    adds beyond it and the depth-0 bookkeeping is seconds per request of the batch (round_overhead), which a
+    plan that speculates at all pays."""
+    cost = CostModel({1: 10 * MS, 64: 20 * MS}, 0.1 * MS, {1: MS, 64: 2 * MS})
+    for _ in range(200):
+        cost.observe_round(32, 32 * 0.05 * MS, False, 0.0)  # 0.05 ms per request outside the target at depth 0
+    for _ in range(200):
+        draft = 2 * cost.draft_rows(4)  # the draft at 2x its table
+        cost.observe_round(32, draft + 32 * (0.05 + 0.1) * MS, True, cost.draft(4), speculating=1, draft_s=draft)
+    assert cost.draft_scale == pytest.approx(2.0, rel=0.05)
+    assert cost.round_overhead == pytest.approx(0.1 * MS, rel=0.05)
+    policy = AdaptivePolicy(num_steps=2, topk=4, num_draft_tokens=5, cost=cost)
+    n = 32
+    base = policy._round_time([0] * n, [[1.0, 1.5, 1.8, 1.0, 1.5]] * n, [0] * n, 0, 0)
+    one = policy._round_time([1] + [0] * (n - 1), [[1.0, 1.5, 1.8, 1.0, 1.5]] * n, [0] * n, 0, 0)
+    assert one - base >= n * 0.1 * MS
+
+
+def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of_its_batch():
+    """What speculating added (a round's seconds over the depth-0 rounds of the same batch size, measured) against
+    what the plan priced it at scales every price of speculating; a frozen policy learns nothing."""
+    for frozen in (False, True):
+        cost = CostModel({1: 10 * MS, 64: 20 * MS}, 0.1 * MS, {1: MS, 64: 2 * MS}, frozen=frozen)
+        policy = AdaptivePolicy(num_steps=2, topk=4, num_draft_tokens=5, cost=cost, frozen=frozen)
+        for _ in range(50):
+            policy.observe_round_time(8, 20 * MS, speculated=False)
+        for _ in range(200):
+            policy.last_extra = (15 * MS, 5 * MS)  # the plan priced speculating at 5 ms over its depth-0 round
+            policy.observe_round_time(8, 30 * MS, speculated=True)  # it added 10 ms over the measured 20
+        assert cost.spec_scale == (1.0 if frozen else pytest.approx(2.0, rel=0.05))

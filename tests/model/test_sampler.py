@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specpd.core import SamplingParams
-from specpd.model.sampler import SamplingRow, apply_penalties, process_logits, sample
+from specpd.model.sampler import SamplingRow, apply_penalties, greedy_tokens, process_logits, sample
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
 
@@ -83,3 +83,22 @@ def test_seeded_generator_reproducible():
     rows = [row(temperature=1.0, gen=torch.Generator().manual_seed(7))]
     b = [sample(p, rows, None)[0] for _ in range(20)]
     assert a == b and not math.isnan(p.sum())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_tokens_is_argmax_with_ties_and_nan(threads):
+    """The greedy fast path reads max(dim).indices: the first maximum, exactly argmax's, on rows full of ties
+    (small integers, bf16-rounded), of lengths across the vector lanes, with NaN, at 1 and 2 threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n in (1, 7, 16, 33, 1000, 49152):
+            x = torch.randint(-3, 4, (5, n), generator=g).float()
+            assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+            y = torch.randn(5, n, generator=g).bfloat16().float()
+            assert torch.equal(greedy_tokens(y), y.argmax(dim=-1))
+        z = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0]])
+        assert greedy_tokens(z).tolist() == z.argmax(dim=-1).tolist() == [1, 1]
+    finally:
+        torch.set_num_threads(old)

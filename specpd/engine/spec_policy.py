@@ -42,9 +42,10 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      whose ratio scales the draft costs from then on (`CostModel.draft_scale`), and the rest (trees, verify,
      commit: paid by every request of the batch once any speculates) as seconds per request
      (`CostModel.round_overhead`), charged to any plan that speculates at all.
-  5b. And the whole: a speculating round's measured seconds over what a depth-0 round of the same batch size
-     took (measured, an EMA per batch size) against what the plan priced speculating at scales every price of
-     speculating (`CostModel.spec_scale`). The parts above are read on the shape the
+  5b. And the whole: a speculating round's measured cycle (its start to the next round's: postprocess, streaming
+     and the HTTP thread's share of the GIL included) over what a depth-0 round of the same batch size took
+     (measured the same way, an EMA per batch size) against what the plan priced speculating at scales every
+     price of speculating (`CostModel.spec_scale`, never below 1). The parts above are read on the shape the
      startup table was timed on (one request, 128 tokens of context); a verify row at batch 32 over a long
      context costs more than that, and without this the policy took rounds that cost 10% more than they gave.
   6. A plan that put everyone at depth 0 stands without a search (`_idle_holds`) while the batch, the
@@ -390,7 +391,7 @@ class AdaptivePolicy:
 
     # -- feedback ---------------------------------------------------------------------------
     def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:
-        """A decode round (no prefill in it, no shadow probe) took `seconds` in all, plan to extend. At depth 0 it
+        """A decode round (no prefill in it, no shadow probe) took `seconds` in all, start to next start. At depth 0 it
         is what a plain round of this batch costs (an EMA per batch size); a round the last plan speculated in is
         read against that: what speculating added, over what the plan priced it at, corrects every price of
         speculating (`CostModel.spec_scale`, module docstring 5b)."""

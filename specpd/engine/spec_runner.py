@@ -46,6 +46,9 @@ class SpecRunner:
         # request id -> draft extends not run yet (adaptive: the request did not speculate since)
         self._deferred: dict[str, list[DraftExtend]] = {}
         self._pending: dict[str, int] = {}  # request id -> tokens in its deferred extends (the catch-up's size)
+        # the last decode round, read when the next one starts (`_observe_cycle`): (start, requests, speculated,
+        # seconds of its execute)
+        self._last_round: tuple[float, int, bool, float] | None = None
 
     @property
     def decode_width(self) -> int:
@@ -68,6 +71,7 @@ class SpecRunner:
         requests = [it.request for it in decode]
         plans, shadow = None, set()
         t_round = time.perf_counter()
+        self._observe_cycle(t_round)
         draft_s = 0.0  # the round's draft work (catch-up, proposal, extend): CostModel.observe_round splits by it
         if policy is not None and decode:
             others = [it for it in items if not it.spec_decode]
@@ -162,8 +166,19 @@ class SpecRunner:
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
                                       policy.last_draft_s, speculating,
                                       draft_s=draft_s if not self.proposer.model_free else None)
-            policy.observe_round_time(len(decode), time.perf_counter() - t_round, speculating > 0)
+            self._last_round = (t_round, len(decode), speculating > 0, time.perf_counter() - t_round)
         return results
+
+    def _observe_cycle(self, now: float) -> None:
+        """The last decode round's whole cycle, its start to this round's (its postprocess, streaming, the
+        scheduler, and the HTTP thread's share of the GIL included: what a client waits for), to the policy
+        (AdaptivePolicy.observe_round_time). A cycle over twice its execute was an idle engine, not a cost."""
+        last, self._last_round = self._last_round, None
+        if last is None or self.policy is None:
+            return
+        start, requests, speculated, execute_s = last
+        if now - start <= 2 * execute_s:
+            self.policy.observe_round_time(requests, now - start, speculated)
 
     def _observe_shadow(self, request, committed: list[int]) -> None:
         """A shadow probe's outcome (AdaptivePolicy.shadow): the draft, caught up before this round, proposed
@@ -224,7 +239,7 @@ class SpecRunner:
             self.proposer.extend(extends)
         if decode_only and not shadow:  # a shadow probe's catch-up is not what a depth-0 round costs
             policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
-            policy.observe_round_time(len(items), time.perf_counter() - t_round, False)
+            self._last_round = (t_round, len(items), False, time.perf_counter() - t_round)
         return results
 
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):

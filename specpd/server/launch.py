@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -22,8 +23,36 @@ class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message ends with its log's tail."""
 
 
+_PORTS_GIVEN: set[int] = set()  # this process's earlier answers: a server may not have bound its port yet
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, for a server started next. Drawn at random from below the kernel's ephemeral
+    range: a port from that range (what binding port 0 returns) is also what every outgoing connection and every
+    other process's bind to port 0 draws from, so between our check and the server's bind it was sometimes taken
+    ("Address already in use" in CI, two test workers starting servers side by side)."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # not the `random` a test may have seeded alike in every worker
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 12000), low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -12,7 +12,6 @@ from specpd.core import SamplingParams, TokenLogprob
 from specpd.disagg.transfer import backend_available
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
-from specpd.server.launch import free_port
 from tests.model.hf_models import save_tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), [7], list(range(1, 33))]  # 32: a page-aligned prompt
@@ -45,7 +44,7 @@ def make_workers(model_dir, spec=None, page_size=4, **decode_kwargs):
     from specpd.disagg.prefill import PrefillWorker
     decode_only = spec is not None and spec.draft_mode == "decode-only"
     p = PrefillWorker(make_engine(model_dir, page_size, spec, with_draft=not decode_only), "tcp",
-                      bootstrap_port=free_port())
+                      bootstrap_port=0)
     d = DecodeWorker(make_engine(model_dir, page_size, spec), "tcp", **decode_kwargs)
     return p, d
 
@@ -134,8 +133,7 @@ def test_workers_over_zmq(model_dir, backend):
     if not ok:
         pytest.skip(why)
     expected = [o.token_ids for o in make_engine(model_dir).generate(PROMPTS, GREEDY)]
-    port = free_port()
-    p = PrefillWorker(make_engine(model_dir), backend, bootstrap_port=port)
+    p = PrefillWorker(make_engine(model_dir), backend, bootstrap_port=0)  # 0: the OS picks (free_port raced)
     d = DecodeWorker(make_engine(model_dir), backend)
     try:
         final = run_pd(p, d, PROMPTS, GREEDY)
@@ -376,12 +374,11 @@ def test_decode_refuses_a_mismatched_prefill(model_dir):
     from specpd.disagg.decode import DecodeWorker
     from specpd.disagg.prefill import PrefillWorker
     from specpd.disagg.worker import BootstrapInfo
-    port = free_port()
-    p = PrefillWorker(make_engine(model_dir, page_size=8), "tcp", bootstrap_port=port)
+    p = PrefillWorker(make_engine(model_dir, page_size=8), "tcp", bootstrap_port=0)  # 0: the OS picks (no race)
     d = DecodeWorker(make_engine(model_dir, page_size=4), "tcp")
     try:
         with pytest.raises(InvalidRequest, match="page_size: prefill=8 decode=4"):
-            d.bootstrap("d0", BootstrapInfo("127.0.0.1", port, 7))
+            d.bootstrap("d0", BootstrapInfo("127.0.0.1", p.bootstrap.port, 7))
     finally:
         p.close()
         d.close()
@@ -391,7 +388,7 @@ def test_abort_with_a_dead_prefill_frees_after_the_hard_timeout(model_dir):
     from specpd.disagg.decode import DecodeWorker
     from specpd.disagg.prefill import PrefillWorker
     from specpd.disagg.worker import BootstrapInfo
-    p = PrefillWorker(make_engine(model_dir), "tcp", bootstrap_port=free_port())
+    p = PrefillWorker(make_engine(model_dir), "tcp", bootstrap_port=0)
     d = DecodeWorker(make_engine(model_dir), "tcp", abort_timeout_s=0.2)
     try:
         d.bootstrap("d0", BootstrapInfo("127.0.0.1", p.bootstrap.port, 5))
@@ -415,12 +412,11 @@ def test_decode_refuses_a_prefill_on_another_transfer_backend(model_dir):
     from specpd.disagg.decode import DecodeWorker
     from specpd.disagg.prefill import PrefillWorker
     from specpd.disagg.worker import BootstrapInfo
-    port = free_port()
-    p = PrefillWorker(make_engine(model_dir), "tcp", bootstrap_port=port)
+    p = PrefillWorker(make_engine(model_dir), "tcp", bootstrap_port=0)
     d = DecodeWorker(make_engine(model_dir), "mooncake")
     try:
         with pytest.raises(InvalidRequest, match="transfer_backend: prefill='tcp' decode='mooncake'"):
-            d.bootstrap("d0", BootstrapInfo("127.0.0.1", port, 8))
+            d.bootstrap("d0", BootstrapInfo("127.0.0.1", p.bootstrap.port, 8))
         assert d.free_pages == 64 and not d.has_unfinished_requests()
     finally:
         p.close()

@@ -10,7 +10,6 @@ from specpd.config import CacheConfig, EngineConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.disagg.messages import ConfigMismatch, check_compatible
 from specpd.engine.llm_engine import LLMEngine
-from specpd.server.launch import free_port
 from tests.disagg.test_handoff import run_pd
 
 SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
@@ -46,7 +45,7 @@ def unified(smollm2, prompts):
 def test_pd_constrained_output_and_acceptance_equal_unified(smollm2, prompts, unified, mode):
     from specpd.disagg.decode import DecodeWorker
     from specpd.disagg.prefill import PrefillWorker
-    p = PrefillWorker(engine(smollm2, mode, with_draft=mode == "both"), "tcp", bootstrap_port=free_port())
+    p = PrefillWorker(engine(smollm2, mode, with_draft=mode == "both"), "tcp", bootstrap_port=0)
     d = DecodeWorker(engine(smollm2, mode), "tcp")
     try:
         assert p.peer_config.grammar_backend.startswith("xgrammar==")

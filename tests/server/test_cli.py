@@ -69,3 +69,15 @@ def test_an_eagle_family_head_merges_ngrams_by_default_and_no_spec_ngram_runs_it
     assert not spec().hybrid
     with pytest.raises(ValueError, match="spec_ngram merges"):
         spec("--speculative-algorithm", "ngram", "--spec-ngram")
+
+
+def test_free_port_draws_outside_the_ephemeral_range_and_never_twice():
+    """free_port: bindable, below the kernel's ephemeral range (which outgoing connections and port-0 binds
+    draw from), and not one this process already handed out."""
+    import socket
+
+    from specpd.server.launch import _ephemeral_low, free_port
+    ports = [free_port() for _ in range(100)]
+    assert len(set(ports)) == 100 and all(1024 <= p < _ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))

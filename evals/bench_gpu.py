@@ -149,10 +149,16 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="a 4-layer model and small cells (a dry run on a CPU)")
     ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "gpu.json"))
+    ap.add_argument("--merge", action="store_true", help="add these cells to --out's (keys carry dtype/backend)")
     args = ap.parse_args()
     config = TINY if args.quick else SMOLLM2_135M
-    result = {"command": " ".join(sys.argv), "machine": machine(args.device), "target": config,
-              "args": vars(args), "plain": {}, "spec": {}, "errors": {}}
+    result = {"commands": [], "machine": machine(args.device), "target": config, "plain": {}, "spec": {},
+              "errors": {}}
+    if args.merge and os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as f:
+            result = json.load(f)
+    result["commands"].append(" ".join(sys.argv))
+    dt = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(args.dtype, args.dtype)
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -163,18 +169,20 @@ def main() -> None:
         save_random_target(model, config)
         head = resolve_draft_path("default", "eagle3") if not args.quick else None
         for backend in args.backends.split(","):
+            for key in [k for k in result["errors"] if k.startswith(f"{dt}/") and k.endswith(f"/{backend}")]:
+                del result["errors"][key]  # a merged rerun replaces the earlier run's failure
             plain_out = {}
             try:
                 engine = make_engine(args, model, backend)
                 for b in map(int, args.batches.split(",")):
                     c = cell(args, engine, prompts_for(b, args.prompt_len, config["vocab_size"], b))
                     plain_out[b] = c.pop("outputs")
-                    result["plain"][f"{backend}/b{b}"] = c
-                    print(f"plain {backend} b{b}: {json.dumps(c)}", flush=True)
+                    result["plain"][f"{dt}/{backend}/b{b}"] = c
+                    print(f"plain {dt} {backend} b{b}: {json.dumps(c)}", flush=True)
                     save()
                 del engine
             except Exception as e:  # noqa: BLE001 - a broken backend is a result; the others still run
-                result["errors"][f"plain/{backend}"] = repr(e)
+                result["errors"][f"{dt}/plain/{backend}"] = repr(e)
                 print(f"plain {backend} FAILED: {e!r}", flush=True)
                 save()
                 continue
@@ -194,16 +202,16 @@ def main() -> None:
                         outs = c.pop("outputs")
                         if b in plain_out:  # lossless: greedy equals plain, at any batch
                             c["greedy_equals_plain"] = outs == plain_out[b]
-                        p = result["plain"].get(f"{backend}/b{b}")
+                        p = result["plain"].get(f"{dt}/{backend}/b{b}")
                         if p:
                             c["tok_s_over_plain"] = c["tok_s"] / p["tok_s"]
                             c["round_over_plain_step"] = c["round_ms"] / p["round_ms"]
-                        result["spec"][f"{backend}/{name}/b{b}"] = c
-                        print(f"spec {backend} {name} b{b}: {json.dumps(c)}", flush=True)
+                        result["spec"][f"{dt}/{backend}/{name}/b{b}"] = c
+                        print(f"spec {dt} {backend} {name} b{b}: {json.dumps(c)}", flush=True)
                         save()
                     del engine
                 except Exception as e:  # noqa: BLE001
-                    result["errors"][f"{name}/{backend}"] = repr(e)
+                    result["errors"][f"{dt}/{name}/{backend}"] = repr(e)
                     print(f"spec {backend} {name} FAILED: {e!r}", flush=True)
                     save()
     save()

@@ -101,8 +101,8 @@ class TorchAttentionBackend(AttentionBackend):
                 prefix = torch.ones(q_len, kv_len - tree.shape[1], dtype=torch.bool, device=tree.device)
                 mask = torch.cat([prefix, tree], dim=1)  # [q_len, kv_len]
             elif kv_len != q_len:
-                q_pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-                mask = torch.arange(kv_len).unsqueeze(0) <= q_pos
+                q_pos = torch.arange(kv_len - q_len, kv_len, device=meta.page_table.device).unsqueeze(1)
+                mask = torch.arange(kv_len, device=q_pos.device).unsqueeze(0) <= q_pos
             n_pages = (kv_len + meta.page_size - 1) // meta.page_size
             long.append((indptr[b], indptr[b + 1], meta.page_table[b, :n_pages].long(), kv_len, mask))
         # one-row queries (decode, a depth-0 round) batch apart from multi-row blocks (verify trees, draft
@@ -133,10 +133,11 @@ class TorchAttentionBackend(AttentionBackend):
         valid = torch.tensor([[j < q for j in range(q_max)] for q in q_lens])  # [B, q_max]
         rows = torch.tensor([[indptr[b] + j if j < q else 0 for j in range(q_max)] for b, q in zip(seqs, q_lens)])
         dense = len(seqs) == meta.batch_size and len(set(q_lens)) == 1
-        additive = mask.to(self.kv_pool.dtype).log_().unsqueeze(1)  # log(1) = 0 (attend), log(0) = -inf
-        idx = torch.tensor(seqs)
-        rows, flat = rows.flatten(), valid.flatten()
-        keep = None if bool(flat.all()) else flat.nonzero().squeeze(1)
+        dev = meta.page_table.device  # built on the host, used where the pool is
+        additive = mask.to(dev, self.kv_pool.dtype).log_().unsqueeze(1)  # log(1) = 0 (attend), log(0) = -inf
+        idx = torch.tensor(seqs, device=dev)
+        rows, flat = rows.flatten().to(dev), valid.flatten()
+        keep = None if bool(flat.all()) else flat.nonzero().squeeze(1).to(dev)
         return _Padded(rows, q_max, keep, rows if keep is None else rows[keep],
                        meta.page_table[idx, :n_pages].long().flatten(), additive, dense, self._fold_mask(additive))
 
@@ -188,7 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
         if q_max > 1:  # one query row broadcasts as is
             mask = folded if folded is not None else mask.repeat(1, 1, group, 1)
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=self.sm_scale)
-        return out.view(b, hq, q_max, d)
+        return out.reshape(b, hq, q_max, d)  # CUDA SDPA may return another layout: a view can fail there
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:

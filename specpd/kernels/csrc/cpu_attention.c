@@ -20,6 +20,9 @@
 #define DMAX 256
 #define GMAX 16
 #define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1  /* chunks */
+#endif
 
 #include "dtypes.h"
 
@@ -93,15 +96,32 @@ static inline void transpose16(__m512 r[16]) {
 #endif
 
 #ifdef __AVX512F__
+/* Row j of the chunk's V as DD / 16 fp32 vectors. bf16 rows are widened 32 elements at a time by a shift and a
+   mask (no shuffles): vector 2h holds the even elements of [32h, 32h + 32), vector 2h + 1 the odd ones, so a
+   bf16 accumulator holds its dims in that order (unpermute_bf16 restores them). */
+static inline void load_v(const void* pool, int dt, int64_t off, int64_t DD, __m512* vr) {
+  if (dt == 1) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t h = 0; h < DD / 32; h++) {
+      const __m512i x = _mm512_loadu_si512((const uint16_t*)pool + off + 32 * h);
+      vr[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vr[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
+  } else {
+    for (int64_t b = 0; b < DD / 16; b++) vr[b] = load16(pool, dt, off + 16 * b);
+  }
+}
+
 /* One chunk of CH = 16 keys for the active query vectors act[0..nact) (D a compile-time constant: 64 or 128).
    NV vectors at a time: each row of KT (the chunk's keys, transposed) loaded once for all of them, NV
    independent FMA chains; NV online-softmax updates; then P.V with each key's V row loaded once for all NV
-   vectors and their accumulators in registers. A vector's arithmetic is the same whatever shares its group,
-   so a row's result does not depend on the rows beside it. */
+   vectors and their accumulators in registers. A vector's arithmetic is the same whatever shares its group
+   (and whatever NV is), so a row's result does not depend on the rows beside it. `full`: every key of the
+   chunk is visible to every row (vis would add 0, keep multiply by 1: skipped, the same result). */
 #define CHUNK_KERNEL(NAME, DD, NVV)                                                                            \
-static void NAME(const float (*Q)[DD], const float (*KT)[CH], const float (*Vc)[DD], const float (*vis)[CH],      \
-                 const float (*keep)[CH], const int64_t* act, int64_t nact, int64_t n, int64_t G, float* m,       \
-                 float* l, float (*acc)[DD]) {                                                                    \
+static void NAME(const float (*Q)[DD], const float (*KT)[CH], const void* pool, int dt, const int64_t* voff,     \
+                 const float (*vis)[CH], const float (*keep)[CH], int full, const int64_t* act, int64_t nact,      \
+                 int64_t n, int64_t G, float* m, float* l, float (*acc)[DD]) {                                   \
   for (int64_t k0 = 0; k0 < nact; k0 += NVV) {                                                                  \
     const int64_t nv = nact - k0 < NVV ? nact - k0 : NVV;                                                        \
     int64_t vv[NVV];                                                                                            \
@@ -116,11 +136,11 @@ static void NAME(const float (*Q)[DD], const float (*KT)[CH], const float (*Vc)[
     float alpha[NVV];                                                                                           \
     for (int u = 0; u < NVV; u++) {                                                                             \
       const int64_t v = vv[u], i = v / G;                                                                       \
-      __m512 x = _mm512_add_ps(sc[u], _mm512_loadu_ps(vis[i]));                                                 \
+      __m512 x = full ? sc[u] : _mm512_add_ps(sc[u], _mm512_loadu_ps(vis[i]));                                   \
       const float mx = _mm512_reduce_max_ps(x);                                                                 \
       const float m_new = mx > m[v] ? mx : m[v];                                                                \
       x = _mm512_max_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.0f));                       \
-      const __m512 e = _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[i]));                                       \
+      const __m512 e = full ? exp16(x) : _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[i]));                      \
       _mm512_store_ps(pr[u], e);                                                                                \
       alpha[u] = exp_neg(m[v] - m_new); /* m[v] = -inf the first time: 0 */                                     \
       if (u < nv) { l[v] = l[v] * alpha[u] + _mm512_reduce_add_ps(e); m[v] = m_new; }                           \
@@ -130,7 +150,7 @@ static void NAME(const float (*Q)[DD], const float (*KT)[CH], const float (*Vc)[
       for (int b = 0; b < DD / 16; b++) o[u][b] = _mm512_mul_ps(_mm512_loadu_ps(acc[vv[u]] + 16 * b), _mm512_set1_ps(alpha[u])); \
     for (int64_t j = 0; j < n; j++) {                                                                           \
       __m512 vr[DD / 16];                                                                                       \
-      for (int b = 0; b < DD / 16; b++) vr[b] = _mm512_loadu_ps(Vc[j] + 16 * b);                                \
+      load_v(pool, dt, voff[j], DD, vr);                                                                        \
       for (int u = 0; u < NVV; u++) {                                                                           \
         const __m512 pj = _mm512_set1_ps(pr[u][j]);                                                             \
         for (int b = 0; b < DD / 16; b++) o[u][b] = _mm512_fmadd_ps(pj, vr[b], o[u][b]);                         \
@@ -141,6 +161,7 @@ static void NAME(const float (*Q)[DD], const float (*KT)[CH], const float (*Vc)[
   }                                                                                                             \
 }
 CHUNK_KERNEL(chunk_avx512_d64, 64, 4)
+CHUNK_KERNEL(chunk_avx512_d64_nv3, 64, 3)  /* GQA groups of 3 (SmolLM2's 9 / 3 heads): no padding vector */
 CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
 #endif
 
@@ -170,7 +191,14 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
   float acc[V][D] __attribute__((aligned(64)));
   float m[V], l[V];
   float KT[D][CH] __attribute__((aligned(64)));  /* a chunk's keys, transposed: scores vectorise over keys */
-  float Vc[CH][D] __attribute__((aligned(64)));
+  float Vc[CH][D] __attribute__((aligned(64)));  /* the generic path's fp32 V rows */
+  int64_t voff[CH];  /* the fast path's V rows, read in place */
+#if defined(__AVX512F__) && CH == 16
+  const int fast = D == 64 || D == 128;
+#else
+  const int fast = 0;
+#endif
+  const int permuted = fast && a->dt == 1;  /* bf16 accumulators hold even / odd dims per 32 (load_v) */
   int64_t last = 0;  /* one past the last position any row of the block sees */
   for (int64_t i = 0; i < nr; i++) {
     int64_t row = r0 + i, t = q_start + row;
@@ -194,16 +222,48 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
         offs[j] = (int64_t)table[pg] * a->page_stride + within * a->pos_stride + h * a->head_stride;
         if (++within == a->ps) { within = 0; pg++; }
       }
+      /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
+         rows now, while this chunk computes (a hint only; it changes no result) */
+      const int64_t c2 = c + PREFETCH_AHEAD * CH, n2 = (last - c2 < CH) ? last - c2 : CH;
+      if (n2 > 0) {
+        int64_t pg2 = c2 / a->ps, within2 = c2 % a->ps;
+        const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
+        const char* pool = (const char*)a->pool;
+        for (int64_t j = 0; j < n2; j++) {
+          const int64_t off = (int64_t)table[pg2] * a->page_stride + within2 * a->pos_stride + h * a->head_stride;
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            __builtin_prefetch(pool + (off + a->k_off) * esize + byte, 0, 3);
+            __builtin_prefetch(pool + (off + a->v_off) * esize + byte, 0, 3);
+          }
+          if (++within2 == a->ps) { within2 = 0; pg2++; }
+        }
+      }
     }
 #if defined(__AVX512F__) && CH == 16
-    if (D % 16 == 0) {  /* keys transposed in registers, 16 x 16 blocks */
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        __m512 r[16];
-        for (int64_t j = 0; j < CH; j++) r[j] = j < n ? load16(a->pool, a->dt, offs[j] + a->k_off + d0) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + d], r[d]);
-        for (int64_t j = 0; j < n; j++) _mm512_storeu_ps(&Vc[j][d0], load16(a->pool, a->dt, offs[j] + a->v_off + d0));
+    if (fast) {  /* keys transposed in registers, 16 x 16 blocks; V is read in place by the chunk kernel */
+      if (a->dt == 1) {  /* bf16: 32 dims per load, widened by shift (even dims) and mask (odd): no shuffles */
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+          for (int odd = 0; odd < 2; odd++) {
+            __m512 r[16];
+            for (int64_t j = 0; j < CH; j++) {
+              if (j >= n) { r[j] = _mm512_setzero_ps(); continue; }
+              const __m512i x = _mm512_loadu_si512((const uint16_t*)a->pool + offs[j] + a->k_off + d0);
+              r[j] = _mm512_castsi512_ps(odd ? _mm512_and_si512(x, hi) : _mm512_slli_epi32(x, 16));
+            }
+            transpose16(r);
+            for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 2 * d + odd], r[d]);
+          }
+        }
+      } else {
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          __m512 r[16];
+          for (int64_t j = 0; j < CH; j++) r[j] = j < n ? load16(a->pool, a->dt, offs[j] + a->k_off + d0) : _mm512_setzero_ps();
+          transpose16(r);
+          for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + d], r[d]);
+        }
       }
+      for (int64_t j = 0; j < n; j++) voff[j] = offs[j] + a->v_off;
     } else
 #endif
     {
@@ -214,8 +274,8 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
         load(a->pool, a->dt, offs[j] + a->v_off, D, Vc[j]);
       }
       for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) KT[d][j] = 0.0f;
+      for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) Vc[j][d] = 0.0f;
     }
-    for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) Vc[j][d] = 0.0f;
     /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the
        probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
     float vis[nr][CH], keep[nr][CH];
@@ -224,7 +284,7 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     for (int64_t i = 0; i < nr; i++) {
       const int64_t row = r0 + i;
       if (full) {
-        for (int64_t j = 0; j < CH; j++) { vis[i][j] = 0.0f; keep[i][j] = 1.0f; }
+        if (!fast) for (int64_t j = 0; j < CH; j++) { vis[i][j] = 0.0f; keep[i][j] = 1.0f; }
         for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
         continue;
       }
@@ -240,9 +300,10 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
       if (any) for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
     }
 #if defined(__AVX512F__) && CH == 16
-    if (D == 64 || D == 128) {
-      if (D == 64) chunk_avx512_d64(Q, KT, Vc, vis, keep, act, nact, n, G, m, l, acc);
-      else chunk_avx512_d128(Q, KT, Vc, vis, keep, act, nact, n, G, m, l, acc);
+    if (fast) {
+      if (D == 128) chunk_avx512_d128(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+      else if (nact % 3 == 0 && nact % 4 != 0) chunk_avx512_d64_nv3(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+      else chunk_avx512_d64(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
       continue;
     }
 #endif
@@ -275,8 +336,17 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     for (int64_t g = 0; g < G; g++) {
       const int64_t v = i * G + g;
       const float inv = l[v] > 0.0f ? 1.0f / l[v] : 0.0f;
-      for (int64_t d = 0; d < D; d++) acc[v][d] *= inv;
-      store(a->out, a->dt, t * a->Hq * D + (h * G + g) * D, D, acc[v]);
+      float o[DMAX];
+      if (permuted) {  /* vector 2h: dims 32h + 2i; vector 2h + 1: dims 32h + 2i + 1 */
+        for (int64_t h0 = 0; h0 < D; h0 += 32)
+          for (int64_t i2 = 0; i2 < 16; i2++) {
+            o[h0 + 2 * i2] = acc[v][h0 + i2] * inv;
+            o[h0 + 2 * i2 + 1] = acc[v][h0 + 16 + i2] * inv;
+          }
+      } else {
+        for (int64_t d = 0; d < D; d++) o[d] = acc[v][d] * inv;
+      }
+      store(a->out, a->dt, t * a->Hq * D + (h * G + g) * D, D, o);
     }
   }
 }

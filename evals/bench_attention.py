@@ -1,0 +1,122 @@
+"""The CPU paged-attention kernel alone, against an earlier version of its source, interleaved.
+
+One "step" is 30 layer calls (SmolLM2-135M: 9 query heads over 3 KV heads, head dim 64, page 16) through the
+backend's hot path (`Prepared.run`: the KV write of the step's rows, then attention), over a pool whose pages
+are shuffled, at the shapes a server meets: decode at batch 1, 8, 32 with 300-800 tokens of context, and an
+8-node tree verify per request at batch 8 and 32. The kernel in the working tree runs against
+`--against REV`'s csrc/cpu_attention.c (compiled here with the same flags), in rotated order, rep by rep; the
+outputs are compared bit for bit.
+
+    .venv/bin/python evals/bench_attention.py --against f4040d1~1     → evals/results/attention.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
+
+import torch  # noqa: E402
+
+from common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
+from specpd.kernels import build  # noqa: E402
+from specpd.kernels.cpu_attention import Prepared, _kernel  # noqa: E402
+from specpd.machine import isa  # noqa: E402
+
+LAYERS, HQ, HKV, D, PS = 30, 9, 3, 64, 16
+CASES = {"decode_b1_ctx300": (1, 300, 1), "decode_b8_ctx300": (8, 300, 1), "decode_b32_ctx350": (32, 350, 1),
+         "decode_b32_ctx800": (32, 800, 1), "verify_tree8_b8_ctx300": (8, 300, 8),
+         "verify_tree8_b32_ctx350": (32, 350, 8)}
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 4]  # an 8-node draft tree, two branches deep
+
+
+def compile_source(source: str, tmp: str):
+    """A kernel source compiled with the project's flags, loaded with the current kernel's signature."""
+    path, lib = os.path.join(tmp, "cpu_attention_against.c"), os.path.join(tmp, "against.so")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    subprocess.run(["gcc", *build.flags(), "-I", build.source_path(""), "-o", lib, path], check=True)
+    fn = ctypes.CDLL(lib).specpd_attention
+    fn.argtypes, fn.restype = _kernel().argtypes, _kernel().restype
+    return fn
+
+
+def make_case(batch: int, ctx: int, q_len: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    pages_per = (ctx + q_len + PS - 1) // PS
+    num_pages = batch * pages_per + 4
+    buf = torch.randn(num_pages, LAYERS, 2, PS, HKV, D, generator=gen).to(dtype)
+    table = torch.randperm(num_pages, generator=gen)[:batch * pages_per].view(batch, pages_per).to(torch.int32)
+    kv_lens = torch.full((batch,), ctx + q_len, dtype=torch.int32)
+    qo = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)
+    pos = torch.arange(ctx, ctx + q_len).repeat(batch)
+    slots = torch.tensor([int(table[b, (ctx + j) // PS]) * PS + (ctx + j) % PS
+                          for b in range(batch) for j in range(q_len)], dtype=torch.long)
+    tree = tree_indptr = None
+    if q_len > 1:
+        mask = torch.zeros(q_len, q_len, dtype=torch.bool)
+        for i, p in enumerate(PARENTS[:q_len]):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        tree = mask.flatten().repeat(batch).contiguous()
+        tree_indptr = torch.arange(0, (batch + 1) * q_len * q_len, q_len * q_len, dtype=torch.int32)
+    prep = Prepared(buf, HQ, D ** -0.5, slots, qo, kv_lens, table.contiguous(), tree, tree_indptr)
+    cos, sin = torch.randn(8192, D, generator=gen), torch.randn(8192, D, generator=gen)
+    qkv = torch.randn(batch * q_len, HQ + 2 * HKV, D, generator=gen).to(dtype)
+    return lambda: [prep.run(qkv, pos, cos, sin, layer) for layer in range(LAYERS)], prep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", required=True, help="a git revision whose csrc/cpu_attention.c to compare with")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "attention.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    source = subprocess.run(["git", "show", f"{args.against}:specpd/kernels/csrc/cpu_attention.c"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    result = {"benchmark": "attention", "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+              "versions": versions(), "isa": isa(), "args": vars(args), "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {"current": _kernel(), "against": compile_source(source, tmp)}
+        for name, (batch, ctx, q_len) in CASES.items():
+            step, prep = make_case(batch, ctx, q_len, dtype)
+            outs, times = {}, {k: [] for k in kernels}
+            for k, fn in kernels.items():
+                prep.fn = fn
+                outs[k] = step()  # warm-up, and the outputs compared
+            order = list(kernels)
+            for rep in range(args.reps):
+                for k in order[rep % 2:] + order[:rep % 2]:
+                    prep.fn = kernels[k]
+                    t = time.perf_counter()
+                    step()
+                    times[k].append(time.perf_counter() - t)
+            ratios = [a / c for a, c in zip(times["against"], times["current"])]
+            cell = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}
+            cell.update({f"{k}_ms_spread": [1e3 * min(v), 1e3 * max(v)] for k, v in times.items()})
+            cell["speedup"] = statistics.median(ratios)
+            cell["speedup_spread"] = [min(ratios), max(ratios)]
+            cell["bit_identical"] = all(torch.equal(a, b) for a, b in zip(outs["current"], outs["against"]))
+            result["cases"][name] = cell
+            log(f"{name}: current {cell['current_ms']:.2f} ms, against {cell['against_ms']:.2f} ms, "
+                f"x{cell['speedup']:.2f} [{cell['speedup_spread'][0]:.2f}, {cell['speedup_spread'][1]:.2f}], "
+                f"bit-identical {cell['bit_identical']}")
+    write_json(args.out, result)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

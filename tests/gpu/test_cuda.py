@@ -22,11 +22,11 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
-from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
+from specpd.kernels.kv_compact import compact_kv, compact_kv_ref
 from specpd.kernels.paged_attention import paged_decode_attention, paged_extend_attention
 from specpd.kv.pool import KVPool
 from specpd.model.loader import load_checkpoint
-from tests.kernels.test_kv_compact import KERNEL_CASES, as_tensors, random_pool
+from tests.kernels.test_kv_compact import KERNEL_CASES, accepted_paths_batch
 from tests.kernels.test_paged_attention import DECODE_CASES, EXTEND_CASES, LAYER, TOL, make_batch
 from tests.kernels.test_tree_attention import TREE_CASES, tree_batch
 from tests.model.hf_models import save_tiny_model
@@ -154,24 +154,11 @@ def test_backends_write_then_attend(backend_cls, dtype):
 
 @pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
 def test_compact_kernel_bit_exact(case):
-    num_layers, page_size, kv_heads, head_dim, dtype = KERNEL_CASES[case]
-    gen = torch.Generator().manual_seed(1)
-    committed_lens, tree_sizes = [page_size * 2, page_size * 2 - 1, 3, 0], [9, 12, 6, 7]
-    pages_per_seq = [(c + t + page_size - 1) // page_size for c, t in zip(committed_lens, tree_sizes)]
-    num_pages = sum(pages_per_seq) + 2
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    moves: list[list[int]] = [[], [], [], []]
-    for seq, (committed_len, tree_size) in enumerate(zip(committed_lens, tree_sizes)):
-        pages = perm[sum(pages_per_seq[:seq]):sum(pages_per_seq[:seq + 1])]
-        leaf = int(torch.randint(1, tree_size, (1,), generator=gen))
-        path = sorted(int(n) for n in torch.randperm(leaf, generator=gen)[:leaf // 2]) + [leaf]
-        for column, values in zip(moves, path_slot_moves(pages, committed_len, path, page_size)):
-            column.extend(values)
-    pool = random_pool(num_pages, num_layers, page_size, kv_heads, head_dim, dtype, seed=2)
+    pool, moves = accepted_paths_batch(case)
     expected = pool.buffer.clone()
-    compact_kv_ref(expected, *as_tensors(*moves))
+    compact_kv_ref(expected, *moves)
     buffer = pool.buffer.to(CUDA)
-    compact_kv(buffer, *[t.to(CUDA) for t in as_tensors(*moves)])
+    compact_kv(buffer, *[t.to(CUDA) for t in moves])
     assert torch.equal(buffer.cpu(), expected)
 
 

@@ -79,9 +79,9 @@ KERNEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
-def test_kernel_matches_reference_exactly(case):
-    """Several sequences' accepted paths in one call, random trees, scattered pages."""
+def accepted_paths_batch(case: str) -> tuple[KVPool, list[torch.Tensor]]:
+    """KERNEL_CASES[case]: several sequences' accepted paths through random trees on scattered pages, as one
+    call's moves (src_pages, src_offsets, dst_pages, dst_offsets), over a random pool."""
     num_layers, page_size, kv_heads, head_dim, dtype = KERNEL_CASES[case]
     gen = torch.Generator().manual_seed(1)
     committed_lens, tree_sizes = [page_size * 2, page_size * 2 - 1, 3, 0], [9, 12, 6, 7]
@@ -96,10 +96,16 @@ def test_kernel_matches_reference_exactly(case):
         for column, values in zip(moves, path_slot_moves(pages, committed_len, path, page_size)):
             column.extend(values)
     assert len(moves[0]) >= 4
-    pool = random_pool(num_pages, num_layers, page_size, kv_heads, head_dim, dtype, seed=2)
+    return random_pool(num_pages, num_layers, page_size, kv_heads, head_dim, dtype, seed=2), as_tensors(*moves)
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
+def test_kernel_matches_reference_exactly(case):
+    """Several sequences' accepted paths in one call, random trees, scattered pages."""
+    pool, moves = accepted_paths_batch(case)
     expected = pool.buffer.clone()
-    compact_kv_ref(expected, *as_tensors(*moves))
-    compact_kv(pool.buffer, *as_tensors(*moves))
+    compact_kv_ref(expected, *moves)
+    compact_kv(pool.buffer, *moves)
     assert torch.equal(pool.buffer, expected)
 
 

@@ -8,6 +8,9 @@ are shuffled, at the shapes a server meets: decode at batch 1, 8, 32 with 300-80
 outputs are compared bit for bit.
 
     .venv/bin/python evals/bench_attention.py --against f4040d1~1     → evals/results/attention.json
+
+Prefill chunks (512 rows after 512 or 1536 tokens) also time torch's SDPA on the same K/V gathered once (its
+CPU flash attention, bf16 GEMMs): what a GEMM-based prefill path would cost, not what the engine runs.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ from specpd.machine import isa  # noqa: E402
 LAYERS, HQ, HKV, D, PS = 30, 9, 3, 64, 16
 CASES = {"decode_b1_ctx300": (1, 300, 1), "decode_b8_ctx300": (8, 300, 1), "decode_b32_ctx350": (32, 350, 1),
          "decode_b32_ctx800": (32, 800, 1), "verify_tree8_b8_ctx300": (8, 300, 8),
-         "verify_tree8_b32_ctx350": (32, 350, 8)}
+         "verify_tree8_b32_ctx350": (32, 350, 8), "prefill_chunk512_after512": (1, 512, 512),
+         "prefill_chunk512_after1536": (1, 1536, 512)}
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 4]  # an 8-node draft tree, two branches deep
 
 
@@ -61,7 +65,7 @@ def make_case(batch: int, ctx: int, q_len: int, dtype: torch.dtype):
     slots = torch.tensor([int(table[b, (ctx + j) // PS]) * PS + (ctx + j) % PS
                           for b in range(batch) for j in range(q_len)], dtype=torch.long)
     tree = tree_indptr = None
-    if q_len > 1:
+    if 1 < q_len <= len(PARENTS):
         mask = torch.zeros(q_len, q_len, dtype=torch.bool)
         for i, p in enumerate(PARENTS[:q_len]):
             if p >= 0:
@@ -72,7 +76,19 @@ def make_case(batch: int, ctx: int, q_len: int, dtype: torch.dtype):
     prep = Prepared(buf, HQ, D ** -0.5, slots, qo, kv_lens, table.contiguous(), tree, tree_indptr)
     cos, sin = torch.randn(8192, D, generator=gen), torch.randn(8192, D, generator=gen)
     qkv = torch.randn(batch * q_len, HQ + 2 * HKV, D, generator=gen).to(dtype)
-    return lambda: [prep.run(qkv, pos, cos, sin, layer) for layer in range(LAYERS)], prep
+    step = lambda: [prep.run(qkv, pos, cos, sin, layer) for layer in range(LAYERS)]  # noqa: E731
+    sdpa = None
+    if batch == 1 and q_len > len(PARENTS):  # a prefill chunk: torch's SDPA over the same K/V, gathered once
+        k = buf[table[0].long(), :, 0].permute(1, 2, 0, 3, 4).reshape(LAYERS, HKV, -1, D)[:, :, :ctx + q_len]
+        v = buf[table[0].long(), :, 1].permute(1, 2, 0, 3, 4).reshape(LAYERS, HKV, -1, D)[:, :, :ctx + q_len]
+        q = qkv[:, :HQ].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, q_len, D]
+        visible = torch.arange(ctx + q_len).unsqueeze(0) <= torch.arange(ctx, ctx + q_len).unsqueeze(1)
+
+        def sdpa():
+            return [torch.nn.functional.scaled_dot_product_attention(
+                q, k[layer].unsqueeze(0), v[layer].unsqueeze(0), attn_mask=visible, enable_gqa=True)
+                for layer in range(LAYERS)]
+    return step, prep, sdpa
 
 
 def main() -> None:
@@ -92,7 +108,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {"current": _kernel(), "against": compile_source(source, tmp)}
         for name, (batch, ctx, q_len) in CASES.items():
-            step, prep = make_case(batch, ctx, q_len, dtype)
+            step, prep, sdpa = make_case(batch, ctx, q_len, dtype)
             outs, times = {}, {k: [] for k in kernels}
             for k, fn in kernels.items():
                 prep.fn = fn
@@ -105,6 +121,13 @@ def main() -> None:
                     step()
                     times[k].append(time.perf_counter() - t)
             ratios = [a / c for a, c in zip(times["against"], times["current"])]
+            if sdpa is not None:  # what a GEMM-based attention (oneDNN / AMX in bf16) costs on the same chunk
+                sdpa()
+                times["torch_sdpa"] = []
+                for _ in range(max(3, args.reps // 3)):
+                    t = time.perf_counter()
+                    sdpa()
+                    times["torch_sdpa"].append(time.perf_counter() - t)
             cell = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}
             cell.update({f"{k}_ms_spread": [1e3 * min(v), 1e3 * max(v)] for k, v in times.items()})
             cell["speedup"] = statistics.median(ratios)
@@ -113,7 +136,8 @@ def main() -> None:
             result["cases"][name] = cell
             log(f"{name}: current {cell['current_ms']:.2f} ms, against {cell['against_ms']:.2f} ms, "
                 f"x{cell['speedup']:.2f} [{cell['speedup_spread'][0]:.2f}, {cell['speedup_spread'][1]:.2f}], "
-                f"bit-identical {cell['bit_identical']}")
+                f"bit-identical {cell['bit_identical']}"
+                + (f", torch SDPA {cell['torch_sdpa_ms']:.2f} ms" if "torch_sdpa_ms" in cell else ""))
     write_json(args.out, result)
     log(f"wrote {args.out}")
 

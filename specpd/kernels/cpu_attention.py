@@ -142,6 +142,17 @@ class Prepared:
             raise ValueError(f"cpu attention: unsupported shape (Hq {hq}, Hkv {hkv}, head_dim {d})")
         return out
 
+    def write(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              layer: int) -> None:
+        """The KV write of `run` alone (RoPE on K at `positions`, into the prepared slots); no row attends."""
+        d, hq, hkv = self.d, self.hq, self.hkv
+        base, esize, k_off = qkv.data_ptr(), qkv.element_size(), layer * self.layer_stride
+        rc = self.fn(DTYPE_CODES[self.dtype], None, 0, None, base + hq * d * esize, base + (hq + hkv) * d * esize,
+                     qkv.stride(0), qkv.shape[0], positions.data_ptr(), self.w_slots, cos.data_ptr(), sin.data_ptr(),
+                     self.pool_args[0], self.pool_args[1], k_off, k_off + self.kv_half, *self.tail, None)
+        if rc != 0:
+            raise ValueError(f"cpu attention: unsupported shape (Hq {hq}, Hkv {hkv}, head_dim {d})")
+
 
 def _rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """fp32 Neox RoPE of x [T, H, D] at positions pos [T] (sin sign-folded, as Rotary keeps it)."""

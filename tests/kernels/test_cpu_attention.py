@@ -154,6 +154,51 @@ def test_cpu_backend_matches_torch_backend(dtype):
         torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_long_prompt_chunks_take_sdpa_and_the_other_rows_stay_bit_exact(dtype):
+    """Half precision: a large prompt chunk (rows x keys past the threshold) attends through torch's SDPA beside
+    a decode row and a short extend in one step. Its rows match the reference; the pool after the step is the
+    kernel's write; the decode and extend rows are bit for bit what the kernel gives them without the chunk."""
+    from specpd.attention.cpu_backend import PREFILL_SDPA_ROWS, PREFILL_SDPA_WORK, CpuAttentionBackend
+    from specpd.config import ModelConfig
+    from specpd.model.llama import Rotary
+    hq, hkv, d, ps = 9, 3, 64, 16
+    cfg = ModelConfig("llama", 100, hq * d, 64, 2, hq, hkv, d)
+    rope_of = Rotary(cfg, 4096).table
+    n = -(-PREFILL_SDPA_WORK // PREFILL_SDPA_ROWS)  # keys that make a chunk of the fewest rows count
+    q_lens = [1, 400, 5, PREFILL_SDPA_ROWS, PREFILL_SDPA_ROWS]
+    kv_lens = [40, 430, 21, n, n - 1]  # a fresh 400-token prompt's chunk, the smallest chunk that counts, one less
+    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, dtype)
+    before = pool.buffer.clone()
+    backend = CpuAttentionBackend(pool, hq, d)
+    backend.plan(meta)
+    starts = meta.qo_indptr.tolist()
+    assert [(c.start, c.end) for c in meta.plan.long] == [(starts[1], starts[2]), (starts[3], starts[4])]
+    assert meta.plan.short_index.tolist() == [0, *range(starts[2], starts[3]), *range(starts[4], starts[5])]
+    out = backend.attend(qkv, rope_of(positions), LAYER, meta)
+    # the reference on a copy of the pool as it was: K/V written the same, every row within tolerance
+    ref_pool = KVPool(pool.num_pages, 3, ps, hkv, d, dtype)
+    ref_pool.buffer.copy_(before)
+    rope = rope_of(positions)
+    want = attention_ref(qkv[:, :hq], positions, qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], positions,
+                         meta.write_pages * ps + meta.write_offsets, rope.cos, rope.signed_sin, ref_pool.buffer, LAYER,
+                         meta.qo_indptr, meta.kv_lens, meta.page_table, None, None, hq, d ** -0.5)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    kernel_pool = KVPool(pool.num_pages, 3, ps, hkv, d, dtype)
+    kernel_pool.buffer.copy_(before)
+    alone = paged_attention(qkv[:, :hq], positions, qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], positions,
+                            meta.write_pages * ps + meta.write_offsets, rope.cos, rope.signed_sin, kernel_pool.buffer,
+                            LAYER, meta.qo_indptr, meta.kv_lens, meta.page_table, None, None, hq, d ** -0.5)
+    assert torch.equal(pool.buffer, kernel_pool.buffer)
+    short = meta.plan.short_index
+    assert torch.equal(out[short], alone[short])
+    # fp32 pools and chunks of few rows keep the kernel for every row
+    for q_len, kv_len, dt in ((400, 400, torch.float32), (PREFILL_SDPA_ROWS - 1, 10 * n, dtype)):
+        p2, m2, _, _ = make_case([q_len], [kv_len], hq, hkv, d, ps, dt)
+        CpuAttentionBackend(p2, hq, d).plan(m2)
+        assert not m2.plan.long
+
+
 def test_the_avx2_build_matches_the_reference_too():
     """The portable path (no AVX-512: AMD / older Intel boxes) built for x86-64-v3 and run in a child process on
     the same cases as above, where this CPU can run it."""

@@ -79,12 +79,12 @@ class CpuAttentionBackend(AttentionBackend):
             n_pages = -(-kv_len // meta.page_size)
             mask = torch.arange(kv_len).unsqueeze(0) <= torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
             chunks.append(_LongRows(starts[b], starts[b + 1], meta.page_table[b, :n_pages].long(), kv_len, mask))
-        short = [b for b in range(meta.batch_size) if b not in set(long)]
+        short = sorted(set(range(meta.batch_size)) - set(long))
         short_index = None
-        q_lens = [meta.q_lens_host[b] for b in short]
         if short:
             short_index = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in short])
-            qo = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            q_lens = [0] + [meta.q_lens_host[b] for b in short]
+            qo = torch.tensor(q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             idx = torch.tensor(short)
             prepared = Prepared(self.kv_pool.buffer, self.num_q_heads, self.sm_scale, slots, qo,
                                 meta.kv_lens[idx].contiguous(), meta.page_table[idx].contiguous(), None, None)
@@ -115,6 +115,7 @@ class CpuAttentionBackend(AttentionBackend):
         q = qkv[rows.index, :self.num_q_heads]  # [R, Hq, D], a copy
         return plan.rows[1].run(qkv, rope.positions, rope.cos, rope.signed_sin, layer_id, q=q,
                                 q_pos=rope.positions[rows.index])
+
     def _attend_with_long(self, qkv: torch.Tensor, rope, layer_id: int, plan: _CpuPlan) -> torch.Tensor:
         hq, pos = self.num_q_heads, rope.positions
         out = torch.empty(qkv.shape[0], hq * self.head_dim, dtype=qkv.dtype)

@@ -124,32 +124,26 @@ class Prepared:
             q: torch.Tensor | None = None, q_pos: torch.Tensor | None = None) -> torch.Tensor:
         """qkv [T, Hq + 2 Hkv, D] contiguous in the pool's dtype, positions [T] int64 (written at the prepared
         slots); q / q_pos: the rows that attend when not all of qkv's (a gathered [R, Hq, D] copy). -> [R, Hq*D]."""
-        d, hq, hkv = self.d, self.hq, self.hkv
-        row = qkv.stride(0)
-        base = qkv.data_ptr()
-        esize = qkv.element_size()
         if q is None:
-            q_ptr, q_stride, q_pos, rows = base, row, positions, qkv.shape[0]
+            q_ptr, q_stride, q_pos, rows = qkv.data_ptr(), qkv.stride(0), positions, qkv.shape[0]
         else:
             q_ptr, q_stride, rows = q.data_ptr(), q.stride(0), q.shape[0]
-        out = torch.empty(rows, hq * d, dtype=self.dtype)
-        k_off = layer * self.layer_stride
-        rc = self.fn(DTYPE_CODES[self.dtype], q_ptr, q_stride, q_pos.data_ptr(), base + hq * d * esize,
-                     base + (hq + hkv) * d * esize, row, qkv.shape[0], positions.data_ptr(), self.w_slots,
-                     cos.data_ptr(), sin.data_ptr(), self.pool_args[0], self.pool_args[1], k_off, k_off + self.kv_half,
-                     *self.tail, out.data_ptr())
-        if rc != 0:
-            raise ValueError(f"cpu attention: unsupported shape (Hq {hq}, Hkv {hkv}, head_dim {d})")
+        out = torch.empty(rows, self.hq * self.d, dtype=self.dtype)
+        self._call(qkv, positions, cos, sin, layer, q_ptr, q_stride, q_pos.data_ptr(), out.data_ptr())
         return out
 
     def write(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               layer: int) -> None:
         """The KV write of `run` alone (RoPE on K at `positions`, into the prepared slots); no row attends."""
+        self._call(qkv, positions, cos, sin, layer, None, 0, None, None)
+
+    def _call(self, qkv, positions, cos, sin, layer: int, q_ptr, q_stride: int, q_pos_ptr, out_ptr) -> None:
         d, hq, hkv = self.d, self.hq, self.hkv
         base, esize, k_off = qkv.data_ptr(), qkv.element_size(), layer * self.layer_stride
-        rc = self.fn(DTYPE_CODES[self.dtype], None, 0, None, base + hq * d * esize, base + (hq + hkv) * d * esize,
-                     qkv.stride(0), qkv.shape[0], positions.data_ptr(), self.w_slots, cos.data_ptr(), sin.data_ptr(),
-                     self.pool_args[0], self.pool_args[1], k_off, k_off + self.kv_half, *self.tail, None)
+        rc = self.fn(DTYPE_CODES[self.dtype], q_ptr, q_stride, q_pos_ptr, base + hq * d * esize,
+                     base + (hq + hkv) * d * esize, qkv.stride(0), qkv.shape[0], positions.data_ptr(), self.w_slots,
+                     cos.data_ptr(), sin.data_ptr(), self.pool_args[0], self.pool_args[1], k_off, k_off + self.kv_half,
+                     *self.tail, out_ptr)
         if rc != 0:
             raise ValueError(f"cpu attention: unsupported shape (Hq {hq}, Hkv {hkv}, head_dim {d})")
 

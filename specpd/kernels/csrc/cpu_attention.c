@@ -20,9 +20,6 @@
 #define DMAX 256
 #define GMAX 16
 #define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1  /* chunks */
-#endif
 
 #include "dtypes.h"
 
@@ -96,16 +93,23 @@ static inline void transpose16(__m512 r[16]) {
 #endif
 
 #ifdef __AVX512F__
-/* Row j of the chunk's V as DD / 16 fp32 vectors. bf16 rows are widened 32 elements at a time by a shift and a
-   mask (no shuffles): vector 2h holds the even elements of [32h, 32h + 32), vector 2h + 1 the odd ones, so a
-   bf16 accumulator holds its dims in that order (unpermute_bf16 restores them). */
+/* 32 bf16 values at p widened to fp32 without shuffles: a shift gives the even elements (lane i: element 2i),
+   a mask the odd ones (lane i: element 2i + 1) */
+static inline __m512 bf16_even16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16));
+}
+static inline __m512 bf16_odd16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* Row j of the chunk's V as DD / 16 fp32 vectors. bf16: vector 2h holds the even elements of [32h, 32h + 32),
+   vector 2h + 1 the odd ones, so a bf16 accumulator holds its dims in that order (attend_block's final store
+   puts them back). */
 static inline void load_v(const void* pool, int dt, int64_t off, int64_t DD, __m512* vr) {
   if (dt == 1) {
-    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t h = 0; h < DD / 32; h++) {
-      const __m512i x = _mm512_loadu_si512((const uint16_t*)pool + off + 32 * h);
-      vr[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      vr[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+      vr[2 * h] = bf16_even16((const uint16_t*)pool + off + 32 * h);
+      vr[2 * h + 1] = bf16_odd16((const uint16_t*)pool + off + 32 * h);
     }
   } else {
     for (int64_t b = 0; b < DD / 16; b++) vr[b] = load16(pool, dt, off + 16 * b);
@@ -176,6 +180,17 @@ typedef struct {
   void* out;
 } Args;
 
+/* slot offsets (K half, layer 0 of the pool's element index) of positions [c, c + n) of sequence b, kv head
+   h, walking its pages (no division per key) */
+static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, int64_t n, int64_t* offs) {
+  int64_t pg = c / a->ps, within = c % a->ps;
+  const int32_t* table = a->page_table + b * a->max_pages;
+  for (int64_t j = 0; j < n; j++) {
+    offs[j] = (int64_t)table[pg] * a->page_stride + within * a->pos_stride + h * a->head_stride;
+    if (++within == a->ps) { within = 0; pg++; }
+  }
+}
+
 /* one work item: sequence b, kv head h, query rows [r0, r0 + nr) of the sequence */
 static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a->D, G = a->Hq / a->Hkv, V = nr * G;  /* V query vectors: row-major (row, group head) */
@@ -212,44 +227,33 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     int64_t end = tree ? kv_len : prefix + row + 1;
     if (end > last) last = end;
   }
+  int64_t offs[CH], next[CH];
+  chunk_slots(a, b, h, 0, last < CH ? last : CH, offs);
   for (int64_t c = 0; c < last; c += CH) {
+    if (c > 0) memcpy(offs, next, sizeof offs);  /* walked (and prefetched) by the chunk before */
     const int64_t n = (last - c < CH) ? last - c : CH;
-    int64_t offs[CH];
-    {  /* slot offsets of the chunk's positions, walking pages (no division per key) */
-      int64_t pg = c / a->ps, within = c % a->ps;
-      const int32_t* table = a->page_table + b * a->max_pages;
-      for (int64_t j = 0; j < n; j++) {
-        offs[j] = (int64_t)table[pg] * a->page_stride + within * a->pos_stride + h * a->head_stride;
-        if (++within == a->ps) { within = 0; pg++; }
-      }
+    const int64_t n2 = (last - c - CH < CH) ? last - c - CH : CH;  /* the next chunk's positions */
+    if (n2 > 0) {
       /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
          rows now, while this chunk computes (a hint only; it changes no result) */
-      const int64_t c2 = c + PREFETCH_AHEAD * CH, n2 = (last - c2 < CH) ? last - c2 : CH;
-      if (n2 > 0) {
-        int64_t pg2 = c2 / a->ps, within2 = c2 % a->ps;
-        const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
-        const char* pool = (const char*)a->pool;
-        for (int64_t j = 0; j < n2; j++) {
-          const int64_t off = (int64_t)table[pg2] * a->page_stride + within2 * a->pos_stride + h * a->head_stride;
-          for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-            __builtin_prefetch(pool + (off + a->k_off) * esize + byte, 0, 3);
-            __builtin_prefetch(pool + (off + a->v_off) * esize + byte, 0, 3);
-          }
-          if (++within2 == a->ps) { within2 = 0; pg2++; }
+      chunk_slots(a, b, h, c + CH, n2, next);
+      const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
+      const char* pool = (const char*)a->pool;
+      for (int64_t j = 0; j < n2; j++)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(pool + (next[j] + a->k_off) * esize + byte, 0, 3);
+          __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 3);
         }
-      }
     }
 #if defined(__AVX512F__) && CH == 16
     if (fast) {  /* keys transposed in registers, 16 x 16 blocks; V is read in place by the chunk kernel */
-      if (a->dt == 1) {  /* bf16: 32 dims per load, widened by shift (even dims) and mask (odd): no shuffles */
-        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+      if (a->dt == 1) {  /* bf16: 32 dims per load, even and odd dims into their own KT rows */
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
           for (int odd = 0; odd < 2; odd++) {
             __m512 r[16];
             for (int64_t j = 0; j < CH; j++) {
-              if (j >= n) { r[j] = _mm512_setzero_ps(); continue; }
-              const __m512i x = _mm512_loadu_si512((const uint16_t*)a->pool + offs[j] + a->k_off + d0);
-              r[j] = _mm512_castsi512_ps(odd ? _mm512_and_si512(x, hi) : _mm512_slli_epi32(x, 16));
+              const uint16_t* p = (const uint16_t*)a->pool + offs[j] + a->k_off + d0;
+              r[j] = j >= n ? _mm512_setzero_ps() : odd ? bf16_odd16(p) : bf16_even16(p);
             }
             transpose16(r);
             for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 2 * d + odd], r[d]);

@@ -23,24 +23,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
 import torch  # noqa: E402
 
+from common import REPO_ROOT, machine_info, versions  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.draft.loader import resolve_draft_path  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -92,7 +91,6 @@ def timed_run(args, engine: LLMEngine, prompts, new_tokens: int, references=None
         if t_decode is None and all(produced.values()):  # every request has its first token: decode starts
             sync(args.device)
             t_decode, first = time.perf_counter(), sum(produced.values())
-            rounds = 0
         elif t_decode is not None:
             rounds += 1
     sync(args.device)
@@ -119,7 +117,8 @@ def cell(args, engine, prompts, references=None) -> dict:
 
 
 def machine(device: str) -> dict:
-    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__}
+    """evals/common's machine and versions, plus the accelerator and Triton."""
+    info = {**machine_info(), **versions()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -128,11 +127,6 @@ def machine(device: str) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                        capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        info["commit"] = None
     return info
 
 

@@ -32,10 +32,12 @@ SPEC_ARGS ?= --speculative-algorithm eagle3 --draft-model default --draft-mode b
 serve: install
 	$(BIN)/specpd serve --disagg 1p1d --model $(MODEL) --host 127.0.0.1 --port $(PORT) $(SPEC_ARGS) $(SERVE_ARGS)
 
-# In-process suites run on two workers with one thread each (on 2 cores: 7 min -> 3.5 min). The suites that
-# start real servers run after them, also on two workers (a test mostly waits on its servers: the box is half
-# idle with one); the ones whose servers watch the clock (heartbeats, restarts, the TTFT
-# breakdown, a bootstrap timeout) then run alone.
+# In-process suites run on two workers with one thread each (OMP_NUM_THREADS=1: an engine not told
+# --num-threads takes it, else every core; two workers with two spinning OpenMP threads each on 2 cores ran the
+# suite in 12 min, with one each in 2). The suites that start real servers run after them, also on two workers
+# with one thread per server (a test mostly waits on its servers: the box is half idle with one); the ones whose
+# servers watch the clock (heartbeats, restarts, the TTFT breakdown, a bootstrap timeout) then run alone, with
+# the defaults.
 SERVER_TESTS := tests/disagg tests/server tests/grammar
 TIMED_TESTS := tests/disagg/test_control_plane.py tests/disagg/test_faults.py tests/disagg/test_cluster.py \
 	tests/disagg/test_transfer.py tests/disagg/test_pd_ttft.py tests/disagg/test_pd_optimistic.py \
@@ -43,7 +45,7 @@ TIMED_TESTS := tests/disagg/test_control_plane.py tests/disagg/test_faults.py te
 
 test: install
 	@OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 tests $(SERVER_TESTS:%=--ignore=%); a=$$?; \
-	$(BIN)/python -m pytest -q -n 2 --durations=15 $(SERVER_TESTS) $(TIMED_TESTS:%=--ignore=%); b=$$?; \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=15 $(SERVER_TESTS) $(TIMED_TESTS:%=--ignore=%); b=$$?; \
 	$(BIN)/python -m pytest -q --durations=5 $(TIMED_TESTS); c=$$?; \
 	test $$a -eq 0 -a $$b -eq 0 -a $$c -eq 0
 

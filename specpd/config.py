@@ -211,7 +211,7 @@ class EngineConfig:
     # weight-only quantization of the decoder's linears and the LM head: none | int4 | int8
     # (specpd.model.quant; needs dtype bfloat16 on cpu)
     quantization: str = "none"
-    num_threads: int | None = None  # torch.set_num_threads for this process; None: the cores it may use
+    num_threads: int | None = None  # torch.set_num_threads for this process; None: OMP_NUM_THREADS, else its cores
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

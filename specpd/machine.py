@@ -2,8 +2,9 @@
 imply (threads, dtype). Plain Python (no torch), so the launcher can split cores between its children.
 
 The defaults are the best measured configuration on the machine a server starts on (DESIGN.md §4, §7):
-  - threads: every core this process may run on (its affinity mask); a `--disagg` cluster splits them
-    between its prefill and decode servers (`split_cores`);
+  - threads: OMP_NUM_THREADS where it is set (torch and vLLM's CPU build read it too), else every core this
+    process may run on (its affinity mask); a `--disagg` cluster splits the cores between its prefill and
+    decode servers (`split_cores`) and gives each child its share as --num-threads;
   - dtype: bfloat16 where the CPU computes it natively (AMX or AVX512-BF16: oneDNN's bf16 GEMMs then cost
     what reading the weights costs, at any row count up to 64), float32 elsewhere (AVX2 / AVX-512 without
     BF16 convert bf16 in software: slower than fp32); float16 on a GPU would be a separate choice.
@@ -14,6 +15,14 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+
+
+def default_threads() -> int:
+    """Torch threads for a process not told (--num-threads): OMP_NUM_THREADS if it is a positive number (two
+    processes sharing a box, e.g. two test workers, each set it to 1: with every core each they oversubscribe
+    the box and their OpenMP threads spin against each other), else usable_cores()."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else usable_cores()
 
 
 def usable_cores() -> int:

@@ -1,7 +1,7 @@
 """specpd.machine: the cores a cluster's children share, and the defaults the machine implies."""
 import pytest
 
-from specpd.machine import default_dtype, isa, split_cores, usable_cores
+from specpd.machine import default_dtype, default_threads, isa, split_cores, usable_cores
 
 
 @pytest.mark.parametrize("cores,p,d,want", [
@@ -25,3 +25,12 @@ def test_machine_defaults_are_consistent(monkeypatch):
     assert default_dtype("cpu") == ("bfloat16" if isa() in ("amx", "avx512_bf16") else "float32")
     monkeypatch.setenv("SPECPD_AUTO_DTYPE", "float16")
     assert default_dtype("cpu") == "float16"
+
+
+@pytest.mark.parametrize("env,want", [("1", 1), ("3", 3), (None, None), ("", None), ("0", None), ("two", None)])
+def test_default_threads_follow_omp_num_threads_where_it_is_a_positive_number(monkeypatch, env, want):
+    if env is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", env)
+    assert default_threads() == (want or usable_cores())

@@ -16,7 +16,7 @@ from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.grammar.matcher import mask_logits
 from specpd.kv.pool import DTYPES, KVPool
-from specpd.machine import usable_cores
+from specpd.machine import default_threads
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.loader import Checkpoint
 from specpd.model.quant import check_config as check_quant_config
@@ -51,8 +51,8 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         check_quant_config(config)
-        # process-wide (torch has no per-model setting); default: every core this process may use
-        self.num_threads = config.num_threads or usable_cores()
+        # process-wide (torch has no per-model setting); default: OMP_NUM_THREADS, else every core it may use
+        self.num_threads = config.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
         torch.manual_seed(config.seed)
         with torch.device("meta"):

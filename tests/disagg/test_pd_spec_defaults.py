@@ -2,7 +2,10 @@
 --speculative-algorithm eagle3 --draft-model default --draft-mode MODE` (the shipped head, n-grams merged into its
 tree, the adaptive policy NOT pinned: it calibrates at startup and learns online) against a unified server on the
 same chat prompts, greedy, one request at a time:
-  - D verifies on the requests the unified server verifies on, and its depth-0 share is within 0.15 of unified's;
+  - D verifies on the requests the unified server verifies on, and turns speculation off (depth 0) on no more of
+    its rounds than unified does, within 0.15 (the bug: D that never speculated). Not two-sided: both policies
+    learn online from their own timings, and a unified server sharing a loaded box with another test's servers
+    has been seen to go to depth 0 on 19% of its rounds while D, on the same box, stayed at 0%;
   - the outputs are unified's (speculation changes speed, never output);
   - every response's usage carries spec_verify_count / spec_accepted_tokens / spec_accept_length (0, 0, null for a
     request that took no verify round: one whose y0 already ends it);
@@ -76,7 +79,7 @@ def test_the_decode_servers_policy_decides_as_the_unified_servers_does(unified, 
     assert verified == [u["usage"]["spec_verify_count"] > 0 for u in want], (
         [u["usage"] for u in got], [u["usage"] for u in want], d_info.get("spec_policy"), want_info.get("spec_policy"))
     share, want_share = d_info["spec_rounds_off_share"], want_info["spec_rounds_off_share"]
-    assert abs(share - want_share) <= 0.15, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
+    assert share <= want_share + 0.15, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
     # the router shows it: D's depth-0 share beside tau, and its calibrated cost model
     [summary] = router_info["decode_spec"]
     assert summary["spec_rounds_off_share"] == share and summary["spec_accept_length"] == d_info["spec_accept_length"]

@@ -3,4 +3,5 @@ import sys
 
 from specpd.server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (a spawned process, e.g. a tensor-parallel rank, imports this module too)
+    sys.exit(main())

@@ -212,6 +212,9 @@ class EngineConfig:
     # (specpd.model.quant; needs dtype bfloat16 on cpu)
     quantization: str = "none"
     num_threads: int | None = None  # torch.set_num_threads for this process; None: OMP_NUM_THREADS, else its cores
+    # tensor-parallel ranks (specpd/model/tp.py): one process each, heads and MLP split, KV sharded by head;
+    # --num-threads is then per rank (default: the cores / tp_size)
+    tp_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -46,6 +46,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
+        if config.tp_size > 1 and spec.enabled:
+            raise ValueError(f"tp_size {config.tp_size} with speculative_algorithm {spec.speculative_algorithm!r}: "
+                             f"speculation under tensor parallelism is not supported yet (use tp_size 1)")
         draft_layers = 0
         if spec.enabled and with_draft:
             from specpd.draft.loader import shared_page_layers
@@ -256,6 +259,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel worker ranks); idempotent."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending_outputs)

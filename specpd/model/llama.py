@@ -150,6 +150,8 @@ class OutputRows:
 
 
 class Attention(nn.Module):
+    tp = None  # a TPGroup (specpd/model/tp.py) when this is one rank's shard of the heads
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
@@ -170,17 +172,21 @@ class Attention(nn.Module):
                              qkv[:, q_heads + kv_heads:]], dim=1)
         attend = getattr(backend, "attend", None)
         if attend is not None:  # RoPE, the KV write and attention in the backend's kernel
-            return apply_linear(self.o_proj, attend(qkv, rope, self.layer_id, meta, rows))
-        q, k = apply_rope(qkv[:, :q_heads + kv_heads], *rope.per_token(qkv.dtype)).split([q_heads, kv_heads], dim=1)
-        v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
-        if rows is not None:
-            backend.kv_pool.write(self.layer_id, k, v, meta.write_pages, meta.write_offsets)
-            q, k, v, meta = q[rows.index], k[rows.index], v[rows.index], rows.meta  # k/v there: written again
-        out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
-        return apply_linear(self.o_proj, out.reshape(-1, self.q_size))
+            out = attend(qkv, rope, self.layer_id, meta, rows)
+        else:
+            q, k = apply_rope(qkv[:, :q_heads + kv_heads], *rope.per_token(qkv.dtype)).split([q_heads, kv_heads], dim=1)
+            v = qkv[:, q_heads + kv_heads:]  # [T, Hkv, D]
+            if rows is not None:
+                backend.kv_pool.write(self.layer_id, k, v, meta.write_pages, meta.write_offsets)
+                q, k, v, meta = q[rows.index], k[rows.index], v[rows.index], rows.meta  # k/v there: written again
+            out = backend.forward(q, k, v, self.layer_id, meta)  # [T, Hq, D]
+        out = apply_linear(self.o_proj, out.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: partial sums (specpd/model/tp.py)
 
 
 class MLP(nn.Module):
+    tp = None  # a TPGroup when this is one rank's slice of the intermediate
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
@@ -190,9 +196,11 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = apply_linear(self.gate_up_proj, x)
         if _fused(gate_up):
-            return apply_linear(self.down_proj, cpu_ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return apply_linear(self.down_proj, F.silu(gate) * up)
+            out = apply_linear(self.down_proj, cpu_ops.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = apply_linear(self.down_proj, F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

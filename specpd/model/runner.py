@@ -55,6 +55,10 @@ class ModelRunner:
         self.num_threads = config.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
         torch.manual_seed(config.seed)
+        self.tp = None
+        if config.tp_size != 1:
+            self._init_tensor_parallel(config, checkpoint, max_model_len, kv_extra_layers)
+            return
         with torch.device("meta"):
             model = CausalLM(self.model_config, max_model_len)
         model = model.to_empty(device=self.device)
@@ -73,6 +77,33 @@ class ModelRunner:
                                         extra_layers=kv_extra_layers)
         mc = self.model_config
         self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
+        self._init_host_state(config)
+
+    def _init_tensor_parallel(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
+                              kv_extra_layers: int) -> None:
+        """Rank 0 of `config.tp_size` (specpd/model/tp.py): this process holds shard 0 of the decoder and the KV
+        pool (self.kv_pool: its heads of every page) and drives the worker ranks through self.model."""
+        from specpd.model import tp
+        tp.check_tp_size(self.model_config, config.tp_size)
+        if config.quantization != "none":
+            raise ValueError(f"tp_size {config.tp_size} with quantization {config.quantization!r} is not built")
+        self.num_threads = config.num_threads or max(1, default_threads() // config.tp_size)
+        torch.set_num_threads(self.num_threads)
+        group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len,
+                                             kv_extra_layers)
+        weights = tp.shard_weights(checkpoint.weights, self.model_config, config.tp_size, 0)
+        model, self.kv_pool, self.backend = tp.build_shard(config, checkpoint.hf_config, weights, max_model_len,
+                                                           kv_extra_layers, self.device, self.dtype)
+        tp.attach(model, group)
+        self.model = self.tp = tp.TPModel(model, group, conns, procs)
+        self._init_host_state(config)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks (nothing to do at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _init_host_state(self, config: EngineConfig) -> None:
         self.shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         # PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these target
@@ -82,7 +113,8 @@ class ModelRunner:
     def runtime_info(self) -> dict:
         """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""
         from specpd.machine import isa
-        return {"num_threads": self.num_threads, "dtype": self.config.dtype, "device": str(self.device),
+        return {"num_threads": self.num_threads, "tp_size": self.config.tp_size, "dtype": self.config.dtype,
+                "device": str(self.device),
                 "cpu_isa": isa() if self.device.type == "cpu" else None}
 
     # -- per-request state -----------------------------------------------------------------

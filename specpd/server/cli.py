@@ -144,6 +144,9 @@ def serve(args: argparse.Namespace) -> int:
     from specpd.server.async_engine import EngineThread
 
     config = config_from_args(args)
+    if args.role in ("prefill", "decode") and config.tp_size > 1:
+        raise SystemExit(f"specpd serve --role {args.role} --tp-size {config.tp_size}: prefill and decode servers "
+                         f"run at --tp-size 1 for now (tensor parallelism serves unified only)")
     if args.role in ("prefill", "decode"):
         # KV moves in transfer threads (P: the backend's writers; D with --transfer-backend tcp: its
         # receiver) that must take the GIL back from the engine thread after every transfer call; at the

@@ -1,0 +1,126 @@
+"""Tensor parallelism's step time against TP 1 on this box, and the all-reduce's share of it.
+
+`python evals/bench_tp.py [--tp 3] [--batches 1 8] [--steps 24] [--rounds 5]` -> evals/results/tp.json
+Two engines on the default model, the user's defaults but the TP size (dtype auto, attention auto, threads:
+TP 1 takes every core, TP N the cores / N per rank), stay loaded side by side; every round times, for each batch
+size, `--steps` decode steps of TP 1 and then of TP N (interleaved, fresh requests each round; prefill is not
+timed). Rank 0's all-reduces are timed in the same steps (wall clock: it includes waiting for the slowest rank,
+which is what a step pays). On a 2-core box TP is a correctness feature: three ranks share two cores, so the
+ratio says what the split and its 2 x layers all-reduces cost per step, not what a machine with a core (or a
+GPU) per rank would gain.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import log, machine_info, versions, write_json  # noqa: E402
+
+from specpd.config import EngineConfig  # noqa: E402
+from specpd.core import SamplingParams  # noqa: E402
+from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+from specpd.model.loader import load_checkpoint  # noqa: E402
+
+QUESTIONS = ["What is the capital of France, and what is it known for?", "Name three prime numbers.",
+             "Write a haiku about rain.", "Explain what a hash table is.", "What is 17 times 23?",
+             "Give me a recipe for pancakes.", "Who wrote Hamlet?", "Describe the water cycle."]
+
+
+class AllReduceTimer:
+    """Wraps rank 0's TPGroup.all_reduce; seconds and calls since the last reset."""
+
+    def __init__(self, group):
+        self.seconds, self.calls, inner = 0.0, 0, group.all_reduce
+
+        def timed(x):
+            t0 = time.perf_counter()
+            try:
+                return inner(x)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        group.all_reduce = timed  # the layers call self.tp.all_reduce: the instance attribute wins
+
+
+def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, timer: AllReduceTimer | None) -> dict:
+    torch.set_num_threads(engine.runner.num_threads)  # process-wide: the two engines share this process
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (untimed) until every request decodes
+    if timer is not None:
+        timer.seconds, timer.calls = 0.0, 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = {"step_ms": 1000 * wall / steps}
+    if timer is not None:
+        out["all_reduce_ms"] = 1000 * timer.seconds / steps
+        out["all_reduces_per_step"] = timer.calls / steps
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp.json"))
+    args = ap.parse_args()
+    info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
+    checkpoint = load_checkpoint("default")
+    tok = checkpoint.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    one = LLMEngine(EngineConfig(model="default"), checkpoint=checkpoint)
+    many = LLMEngine(EngineConfig(model="default", tp_size=args.tp), checkpoint=checkpoint)
+    timer = AllReduceTimer(many.runner.tp._group)
+    log(f"tp1 threads {one.runner.num_threads}, tp{args.tp} threads per rank {many.runner.num_threads}")
+    rows = {b: {"tp1": [], f"tp{args.tp}": []} for b in args.batches}
+    try:
+        for rnd in range(args.rounds + 1):  # round 0 warms both
+            for b in args.batches:
+                batch = [prompts[i % len(prompts)] for i in range(b)]
+                r1 = decode_steps(one, batch, args.steps, None)
+                rn = decode_steps(many, batch, args.steps, timer)
+                if rnd:
+                    rows[b]["tp1"].append(r1)
+                    rows[b][f"tp{args.tp}"].append(rn)
+                log(f"round {rnd} b{b}: tp1 {r1['step_ms']:.1f} ms, tp{args.tp} {rn['step_ms']:.1f} ms "
+                    f"(all-reduce {rn['all_reduce_ms']:.1f} ms)")
+    finally:
+        many.close()
+    summary = {}
+    for b, r in rows.items():
+        t1 = [x["step_ms"] for x in r["tp1"]]
+        tn = [x["step_ms"] for x in r[f"tp{args.tp}"]]
+        ar = [x["all_reduce_ms"] for x in r[f"tp{args.tp}"]]
+        ratios = [n / o for n, o in zip(tn, t1)]
+        summary[f"b{b}"] = {"tp1_step_ms_median": statistics.median(t1),
+                            f"tp{args.tp}_step_ms_median": statistics.median(tn),
+                            f"tp{args.tp}_over_tp1_step_ratio_median": statistics.median(ratios),
+                            "ratio_min_max": [min(ratios), max(ratios)],
+                            "all_reduce_ms_median": statistics.median(ar),
+                            "all_reduce_share_median": statistics.median(a / n for a, n in zip(ar, tn)),
+                            "all_reduces_per_step": r[f"tp{args.tp}"][0]["all_reduces_per_step"]}
+    info.update(tp=args.tp, tp1_threads=one.runner.num_threads, tpn_threads_per_rank=many.runner.num_threads,
+                dtype=one.runner.config.dtype, steps=args.steps, rounds=args.rounds, summary=summary, rounds_raw=rows)
+    write_json(args.out, info)
+    log(summary)
+
+
+if __name__ == "__main__":
+    main()

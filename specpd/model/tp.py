@@ -1,0 +1,235 @@
+"""Tensor parallelism on one host (Megatron's layout): one process per rank, gloo between them.
+
+Rank 0 is the engine's own process: it schedules, keeps the allocator and the caches, samples and verifies, so
+nothing that decides runs anywhere else. Ranks 1..N-1 are worker processes holding only their shard of the
+decoder and of the KV pool; they run the target forwards rank 0 runs, in the same order, and nothing else.
+  - per layer: q/k/v and gate/up are column-parallel (a rank owns a contiguous range of query heads, the KV
+    heads they read, and a slice of the MLP's intermediate), o_proj and down_proj row-parallel: one all-reduce
+    after each (partial sums; no bias there), so every rank's residual stream is the same tensor;
+  - the embedding, the norms and the LM head are replicated; only rank 0 computes logits;
+  - the KV pool is sharded by KV head: every rank has the same pages (one allocator, rank 0's) holding its
+    heads, so a page id means the same tokens on every rank.
+A forward's inputs reach the workers over a pipe per worker (pickled ids, positions and attention metadata,
+no plan: each rank plans its own backend), the all-reduces over gloo. A worker waits on its pipe, never in a
+collective, so an idle server has no collective to time out; a dead worker fails rank 0's next all-reduce
+with gloo's "connection reset" (RankFailed names the rank), a dead rank 0 closes the pipes and the workers
+exit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import pickle
+
+import torch
+import torch.distributed as dist
+from torch import multiprocessing as mp
+
+from specpd.config import EngineConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank is gone: the group cannot run another forward."""
+
+
+def check_tp_size(cfg: ModelConfig, tp: int) -> None:
+    """ValueError naming the sizes when `tp` ranks cannot split the model's heads and MLP evenly."""
+    if tp < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp}")
+    for name, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("MLP intermediate size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tp_size {tp} does not divide the model's {n} {name} (a valid size divides "
+                             f"{cfg.num_heads} attention heads, {cfg.num_kv_heads} KV heads and "
+                             f"{cfg.intermediate_size} intermediate)")
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """What one rank's decoder and KV pool hold: 1/tp of the heads and of the intermediate."""
+    check_tp_size(cfg, tp)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+                               intermediate_size=cfg.intermediate_size // tp)
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s HF-named weights (views): q/k/v/gate/up rows (and q/k/v bias) of its heads and intermediate
+    slice, o_proj/down_proj columns of the same; everything else whole."""
+    if tp == 1:
+        return weights
+    d = cfg.head_dim
+    hq, hkv, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    rows = {"q_proj": hq * d, "k_proj": hkv * d, "v_proj": hkv * d, "gate_proj": inter, "up_proj": inter}
+    cols = {"o_proj": hq * d, "down_proj": inter}
+    out = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        kind = parts[-2] if len(parts) >= 2 else ""
+        if kind in rows:  # weight [out, in] or bias [out]
+            n = rows[kind]
+            out[name] = w[rank * n:(rank + 1) * n]
+        elif kind in cols and parts[-1] == "weight":
+            n = cols[kind]
+            out[name] = w[:, rank * n:(rank + 1) * n]
+        else:
+            out[name] = w
+    return out
+
+
+class TPGroup:
+    """This rank's gloo group (not torch.distributed's default group: several engines, e.g. a test's, may each
+    have their own in one process)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self.group = dist.ProcessGroupGloo(store, rank, size, options)
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (every rank ends with the same bits: gloo reduces each chunk once)."""
+        try:
+            self.group.allreduce([x]).wait()
+        except RuntimeError as e:
+            raise RankFailed(f"tensor-parallel all-reduce failed on rank {self.rank} of {self.size}: {e}") from e
+        return x
+
+
+def attach(model: torch.nn.Module, group: TPGroup) -> None:
+    """Make the decoder's row-parallel layers (o_proj, down_proj) all-reduce their output."""
+    for layer in model.layers:
+        layer.self_attn.tp = group
+        layer.mlp.tp = group
+
+
+def _wire_meta(meta):
+    """The metadata a worker needs (its own backend plans it)."""
+    return dataclasses.replace(meta, plan=None)
+
+
+class TPModel:
+    """Rank 0's view of the sharded target: calling it sends the forward's inputs to every worker, then runs
+    rank 0's shard; every other attribute is the local CausalLM's (compute_logits, embed_tokens, layers...)."""
+
+    def __init__(self, model: torch.nn.Module, group: TPGroup, conns: list, procs: list):
+        self.__dict__.update(_model=model, _group=group, _conns=conns, _procs=procs, _closed=False)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids, positions, backend, meta, capture_layers=()):
+        self._send((input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
+        return self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
+
+    def _send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            if not proc.is_alive():
+                raise RankFailed(f"tensor-parallel rank {rank} of {self._group.size} exited (code {proc.exitcode})")
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise RankFailed(f"tensor-parallel rank {rank} of {self._group.size} is gone: {e}") from e
+
+    @property
+    def workers(self) -> list:
+        return list(self._procs)
+
+    def close(self) -> None:
+        """Stop the workers (each exits at its pipe's end); idempotent."""
+        if self._closed:
+            return
+        self.__dict__["_closed"] = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+                conn.close()
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _rank_threads(config: EngineConfig) -> int:
+    from specpd.machine import default_threads
+    return config.num_threads or max(1, default_threads() // config.tp_size)
+
+
+def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor], max_model_len: int,
+                kv_extra_layers: int) -> tuple[TPGroup, list, list]:
+    """Spawn ranks 1..tp-1 (each builds its shard of the decoder and the KV pool) and join rank 0 to the group;
+    returns (group, pipes, processes)."""
+    size = config.tp_size
+    cfg = ModelConfig.from_hf(hf_config)
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    conns, procs = [], []
+    for rank in range(1, size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, name=f"specpd-tp{rank}", daemon=True,
+                           args=(rank, store.port, config, hf_config, shard_weights(weights, cfg, size, rank),
+                                 max_model_len, kv_extra_layers, child))
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    try:
+        group = TPGroup(store, 0, size)
+    except RuntimeError as e:
+        for proc in procs:
+            proc.kill()
+        raise RankFailed(f"the tensor-parallel group of {size} did not form: {e}") from e
+    return group, conns, procs
+
+
+def build_shard(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor], max_model_len: int,
+                kv_extra_layers: int, device: torch.device, dtype: torch.dtype):
+    """(decoder shard, its KV pool, its attention backend): what every rank builds from its weights."""
+    from specpd.attention.base import get_backend_class
+    from specpd.kv.pool import KVPool
+    from specpd.model.llama import CausalLM, Rotary
+    cfg = shard_config(ModelConfig.from_hf(hf_config), config.tp_size)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_model_len)
+    model = model.to_empty(device=device)
+    model.load_weights(weights)
+    model = model.to(dtype=dtype).eval()
+    if device.type == "cpu":
+        model.pack_for_cpu()
+    model.rotary = Rotary(cfg, max_model_len).to(device)
+    cache = config.cache
+    pool = KVPool.for_model(cfg, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
+                            num_pages=cache.num_pages, extra_layers=kv_extra_layers)
+    backend = get_backend_class(config.attention_backend)(pool, cfg.num_heads, cfg.head_dim)
+    return model, pool, backend
+
+
+def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: dict, weights: dict,
+                 max_model_len: int, kv_extra_layers: int, conn) -> None:
+    from specpd.kv.pool import DTYPES
+    torch.set_num_threads(_rank_threads(config))
+    torch.manual_seed(config.seed)
+    store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    group = TPGroup(store, rank, config.tp_size)
+    model, _pool, backend = build_shard(config, hf_config, weights, max_model_len, kv_extra_layers,
+                                        torch.device(config.device), DTYPES[config.dtype])
+    del weights
+    attach(model, group)
+    with torch.inference_mode():
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if message is None:
+                return
+            input_ids, positions, meta, capture = message
+            backend.plan(meta)
+            model(input_ids, positions, backend, meta, capture_layers=capture)

@@ -1,0 +1,70 @@
+"""`specpd serve --tp-size 3` (the default model: 9 heads, 3 KV heads), the way a user serves it: concurrent
+streamed and plain requests answer what a TP 1 server answers, every page comes back; a killed rank fails the
+next request with an error naming it and /health turns 503; PD roles at TP > 1 are refused at start."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.server.launcher import launch_servers
+
+QUESTIONS = ["What is the capital of France?", "Name three prime numbers.", "Write a haiku about rain.",
+             "What is 2 + 2?"]
+COMMON = ["--model", "default", "--log-level", "warning", "--num-threads", "1"]
+
+
+def ask(base: str, question: str, max_tokens: int, stream: bool) -> str:
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+    with httpx.Client(base_url=base, timeout=120) as client:
+        if not stream:
+            resp = client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["message"]["content"]
+        text = ""
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        text += choice["delta"].get("content") or ""
+        return text
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_tp3_server_answers_as_tp1_and_a_killed_rank_fails_clearly():
+    with launch_servers([COMMON, COMMON + ["--tp-size", "3"]]) as [(_, base1, _), (proc3, base3, _)]:
+        info = httpx.get(f"{base3}/server_info").json()
+        assert info["runtime"]["tp_size"] == 3
+        jobs = [(q, 8 + 6 * i, i % 2 == 0) for i, q in enumerate(QUESTIONS)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            want = list(pool.map(lambda j: ask(base1, *j), jobs))
+            got = list(pool.map(lambda j: ask(base3, *j), jobs))
+        assert got == want and all(got)
+        info = httpx.get(f"{base3}/server_info").json()
+        assert info["free_pages"] == info["total_pages"]
+        ranks = [p for p in children(proc3.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(ranks) == 2, ranks  # ranks 1 and 2 (rank 0 is the server)
+        os.kill(ranks[-1], signal.SIGKILL)
+        time.sleep(0.5)
+        resp = httpx.post(f"{base3}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 8, "temperature": 0})
+        assert resp.status_code >= 500 and "tensor-parallel rank" in resp.text, resp.text
+        assert httpx.get(f"{base3}/health").status_code == 503
+        assert ask(base1, QUESTIONS[0], 8, False) == want[0]  # the other server is untouched
+
+
+def test_pd_roles_at_tp_above_1_are_refused_at_start():
+    out = subprocess.run([sys.executable, "-m", "specpd", "serve", "--role", "prefill", "--tp-size", "3",
+                          "--port", "1", "--bootstrap-port", "2", *COMMON], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "--tp-size 3" in out.stderr and "prefill" in out.stderr, out.stderr

@@ -46,11 +46,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
-        if config.tp_size > 1 and spec.enabled:
-            raise ValueError(f"tp_size {config.tp_size} with speculative_algorithm {spec.speculative_algorithm!r}: "
-                             f"speculation under tensor parallelism is not supported yet (use tp_size 1)")
         draft_layers = 0
-        if spec.enabled and with_draft:
+        # under tensor parallelism the draft runs whole on rank 0, in a pool of its own (specpd/model/tp.py)
+        if spec.enabled and with_draft and config.tp_size == 1:
             from specpd.draft.loader import shared_page_layers
             draft_layers = shared_page_layers(spec, self.model_config)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers)

@@ -28,7 +28,7 @@ from specpd.draft.ngram import NgramProposer
 from specpd.draft.proposer import DraftExtend, Proposer
 from specpd.grammar.matcher import mask_logits, mask_tree_logits
 from specpd.kv.pool import KVPool
-from specpd.kernels.kv_compact import compact_kv, compact_kv_ref, path_slot_moves
+from specpd.kernels.kv_compact import path_slot_moves
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import SamplingRow, compute_logprobs, greedy_tokens, process_logits, sample
 from specpd.engine.spec_calibration import calibrate
@@ -352,10 +352,8 @@ class SpecRunner:
         nodes = [0] + path
         tokens = [int(tree.tokens[n]) for n in path] + [bonus]
         moves = path_slot_moves(req.pages, it.start, nodes, runner.kv_pool.page_size)
-        if moves[0]:  # a tree path off the first branch: move its KV next to the root
-            buffer = runner.kv_pool.buffer
-            compact = compact_kv if buffer.is_cuda else compact_kv_ref  # Triton on GPU, torch on CPU
-            compact(buffer, *(torch.tensor(m, device=buffer.device) for m in moves))
+        if moves[0]:  # a tree path off the first branch: move its KV next to the root (on every TP rank)
+            runner.compact_kv(moves)
         logprobs = [None] * len(tokens)
         if raw is not None:
             logprobs = compute_logprobs(raw[nodes], tokens, [self._row(it, [], suppress)] * len(nodes))

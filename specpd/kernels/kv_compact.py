@@ -125,4 +125,11 @@ def path_slot_moves(pages: list[int], committed_len: int, accepted_nodes: list[i
     return src_pages, src_offsets, dst_pages, dst_offsets
 
 
-__all__ = ["compact_kv", "compact_kv_ref", "compact_constexprs", "path_slot_moves"]
+def compact_pool(pool, moves: tuple[list[int], list[int], list[int], list[int]]) -> None:
+    """Apply path_slot_moves' moves to a KVPool's buffer: the Triton kernel on a GPU, the torch reference on CPU."""
+    buffer = pool.buffer
+    compact = compact_kv if buffer.is_cuda else compact_kv_ref
+    compact(buffer, *(torch.tensor(m, device=buffer.device) for m in moves))
+
+
+__all__ = ["compact_kv", "compact_kv_ref", "compact_constexprs", "compact_pool", "path_slot_moves"]

@@ -15,6 +15,7 @@ from specpd.config import EngineConfig, ModelConfig
 from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.grammar.matcher import mask_logits
+from specpd.kernels.kv_compact import compact_pool
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.machine import default_threads
 from specpd.model.llama import CausalLM, Rotary
@@ -97,6 +98,13 @@ class ModelRunner:
         tp.attach(model, group)
         self.model = self.tp = tp.TPModel(model, group, conns, procs)
         self._init_host_state(config)
+
+    def compact_kv(self, moves) -> None:
+        """Move KV slots inside the pool's pages (moves: path_slot_moves' lists: a verified tree path next to
+        its root), here and on every other tensor-parallel rank."""
+        compact_pool(self.kv_pool, moves)
+        if self.tp is not None:
+            self.tp.compact_kv(moves)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker ranks (nothing to do at TP 1)."""

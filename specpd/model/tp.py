@@ -10,7 +10,12 @@ decoder and of the KV pool; they run the target forwards rank 0 runs, in the sam
   - the KV pool is sharded by KV head: every rank has the same pages (one allocator, rank 0's) holding its
     heads, so a page id means the same tokens on every rank.
 A forward's inputs reach the workers over a pipe per worker (pickled ids, positions and attention metadata,
-no plan: each rank plans its own backend), the all-reduces over gloo. A worker waits on its pipe, never in a
+no plan: each rank plans its own backend), and so do the KV slot moves of a verified tree path (`compact_kv`);
+the all-reduces go over gloo. A draft model (EAGLE, EAGLE-3, MTP) is not sharded: it runs whole on rank 0 in
+a KV pool of its own (all heads, rank 0's page ids), on the target's replicated embedding and LM head and on
+its full hidden states (every rank has the whole residual stream after each all-reduce), so its KV, top-k and
+hidden are TP 1's up to the all-reduce's rounding. A one-layer draft costs a few percent of the target: sharding
+it would add two all-reduces per draft step (as many as a target layer) to save little. A worker waits on its pipe, never in a
 collective, so an idle server has no collective to time out; a dead worker fails rank 0's next all-reduce
 with gloo's "connection reset" (RankFailed names the rank), a dead rank 0 closes the pipes and the workers
 exit.
@@ -123,8 +128,12 @@ class TPModel:
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, backend, meta, capture_layers=()):
-        self._send((input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
+        self._send(("forward", input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
         return self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
+
+    def compact_kv(self, moves) -> None:
+        """The workers apply the KV slot moves rank 0 applied (a verified tree path next to its root)."""
+        self._send(("compact_kv", moves))
 
     def _send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -213,12 +222,13 @@ def build_shard(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
 
 def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: dict, weights: dict,
                  max_model_len: int, kv_extra_layers: int, conn) -> None:
+    from specpd.kernels.kv_compact import compact_pool
     from specpd.kv.pool import DTYPES
     torch.set_num_threads(_rank_threads(config))
     torch.manual_seed(config.seed)
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(store, rank, config.tp_size)
-    model, _pool, backend = build_shard(config, hf_config, weights, max_model_len, kv_extra_layers,
+    model, pool, backend = build_shard(config, hf_config, weights, max_model_len, kv_extra_layers,
                                         torch.device(config.device), DTYPES[config.dtype])
     del weights
     attach(model, group)
@@ -230,6 +240,9 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
                 return  # rank 0 is gone
             if message is None:
                 return
-            input_ids, positions, meta, capture = message
+            if message[0] == "compact_kv":
+                compact_pool(pool, message[1])
+                continue
+            _, input_ids, positions, meta, capture = message
             backend.plan(meta)
             model(input_ids, positions, backend, meta, capture_layers=capture)

@@ -2,7 +2,10 @@
   - a TP-N forward's fp32 logits are TP 1's within 1e-4 at every row of a ragged batch on scattered pages that
     cross page boundaries (tiny in-code models: GQA, MHA, q/k/v bias, q/k norm; TP 2 and 4);
   - greedy output at TP N is TP 1's, and every page comes back (TP 3 on the default model: 9 heads, 3 KV);
-  - sizes that do not divide the heads, speculation and quantization under TP are refused naming the values;
+  - speculation at TP N (the draft whole on rank 0, tree paths' KV moved on every rank) is lossless and accepts
+    exactly as at TP 1 with the pinned policy: random EAGLE / EAGLE-3 / MTP heads, chain and tree, on a tiny
+    model at TP 2; the shipped EAGLE-3 head (hybrid tree) on the default model at TP 3;
+  - sizes that do not divide the heads, and quantization under TP, are refused naming the values;
   - a killed rank fails the next step with RankFailed naming it, and closing the engine stops every worker.
 """
 import random
@@ -14,6 +17,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
+from specpd.draft.loader import random_draft_checkpoint
 from specpd.model.loader import load_checkpoint
 from specpd.model.tp import RankFailed, shard_weights
 from tests.model.hf_models import save_tiny_model
@@ -104,7 +108,6 @@ def test_shards_put_back_together_are_the_checkpoint(tmp_path):
 @pytest.mark.parametrize("kw,match", [
     (dict(tp_size=2), "tp_size 2 does not divide the model's 9 attention heads"),
     (dict(tp_size=0), "tp_size must be >= 1"),
-    (dict(tp_size=3, spec=SpecConfig("ngram")), "speculation under tensor parallelism is not supported"),
     (dict(tp_size=3, dtype="bfloat16", quantization="int8"), "tp_size 3 with quantization 'int8'"),
 ])
 def test_what_tp_cannot_do_is_refused_naming_the_values(kw, match):
@@ -122,5 +125,67 @@ def test_a_killed_rank_fails_the_next_step_naming_it(tmp_path):
         worker.join(10)
         with pytest.raises(RankFailed, match="rank 1 of 2"):
             engine.generate([PROMPTS[1]], GREEDY)
+    finally:
+        engine.close()
+
+
+def spec_run(engine: LLMEngine, prompts, params) -> tuple[list[list[int]], int, int, int]:
+    """(outputs, verify rounds, accepted tokens, tree-path KV moves sent to the other ranks)."""
+    moves = [0]
+    if engine.runner.tp is not None:
+        send = engine.runner.tp.compact_kv
+
+        def counted(m):
+            moves[0] += 1
+            send(m)
+        engine.runner.tp.compact_kv = counted
+    outs = engine.generate(prompts, params)
+    stats = engine.spec_stats
+    return [o.token_ids for o in outs], stats.verify_count, stats.accepted_tokens, moves[0]
+
+
+SPEC_CASES = [("eagle", 1, None), ("eagle3", 2, 6), ("mtp", 2, 6)]
+
+
+@pytest.mark.parametrize("algorithm,topk,num_tokens", SPEC_CASES, ids=[a for a, _, _ in SPEC_CASES])
+def test_speculation_at_tp2_is_lossless_and_accepts_as_tp1(tmp_path, algorithm, topk, num_tokens):
+    save_tiny_model("llama", tmp_path / "target", num_hidden_layers=8)  # EAGLE-3 fuses layers 2, 4, 5
+    target = str(tmp_path / "target")
+    random_draft_checkpoint(str(tmp_path / "draft"), algorithm, ModelConfig.from_hf(load_checkpoint(target).hf_config),
+                            seed=0)
+    spec = SpecConfig(algorithm, draft_model=str(tmp_path / "draft"), spec_num_steps=3, spec_topk=topk,
+                      spec_num_draft_tokens=num_tokens, spec_adaptive_pinned=True, spec_ngram=True)
+    plain = [o.token_ids for o in engine_for(target, 1).generate(PROMPTS, GREEDY)]
+    want = spec_run(engine_for(target, 1, spec=spec), PROMPTS, GREEDY)
+    engine = engine_for(target, 2, spec=spec)
+    try:
+        got = spec_run(engine, PROMPTS, GREEDY)
+        assert got[0] == want[0] == plain
+        assert got[1:3] == want[1:3] and got[1] > 0, (got, want)  # the same rounds, the same accepted tokens
+        assert engine.free_pages == engine.runner.kv_pool.num_pages
+    finally:
+        engine.close()
+
+
+def test_the_shipped_head_at_tp3_on_the_default_model_accepts_as_tp1():
+    checkpoint = load_checkpoint("default")
+    tok = checkpoint.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("What is the capital of France, and what is it known for?",
+                         "Write a Python function that returns the n-th Fibonacci number.")]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    cache = CacheConfig(page_size=16, num_pages=48)
+    spec = SpecConfig("eagle3", draft_model="default", spec_adaptive_pinned=True)
+    plain = [o.token_ids for o in LLMEngine(EngineConfig(model="default", cache=cache),
+                                            checkpoint=checkpoint).generate(prompts, params)]
+    want = spec_run(LLMEngine(EngineConfig(model="default", cache=cache, spec=spec), checkpoint=checkpoint),
+                    prompts, params)
+    engine = LLMEngine(EngineConfig(model="default", tp_size=3, cache=cache, spec=spec), checkpoint=checkpoint)
+    try:
+        got = spec_run(engine, prompts, params)
+        assert got[0] == want[0] == plain
+        assert got[1:3] == want[1:3] and got[2] > got[1] // 4, (got, want)  # tau = 1 + accepted / verifies
+        assert got[3] > 0  # tree paths off the first branch were moved on the other ranks
+        assert engine.free_pages == 48
     finally:
         engine.close()

@@ -1,5 +1,7 @@
-"""`specpd serve --tp-size 3` (the default model: 9 heads, 3 KV heads), the way a user serves it: concurrent
-streamed and plain requests answer what a TP 1 server answers, every page comes back; a killed rank fails the
+"""`specpd serve --tp-size 3` (the default model: 9 heads, 3 KV heads) with the shipped EAGLE-3 head and the
+adaptive policy as a user starts it (calibrated at startup through the TP group), the way a user serves it:
+concurrent streamed and plain requests answer what a plain TP 1 server answers, it speculates, every page comes
+back; a killed rank fails the
 next request with an error naming it and /health turns 503; PD roles at TP > 1 are refused at start."""
 import json
 import os
@@ -41,8 +43,9 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_tp3_server_answers_as_tp1_and_a_killed_rank_fails_clearly():
-    with launch_servers([COMMON, COMMON + ["--tp-size", "3"]]) as [(_, base1, _), (proc3, base3, _)]:
+def test_a_speculating_tp3_server_answers_as_tp1_and_a_killed_rank_fails_clearly():
+    spec = ["--speculative-algorithm", "eagle3", "--draft-model", "default"]
+    with launch_servers([COMMON, COMMON + ["--tp-size", "3", *spec]]) as [(_, base1, _), (proc3, base3, _)]:
         info = httpx.get(f"{base3}/server_info").json()
         assert info["runtime"]["tp_size"] == 3
         jobs = [(q, 8 + 6 * i, i % 2 == 0) for i, q in enumerate(QUESTIONS)]
@@ -51,7 +54,7 @@ def test_tp3_server_answers_as_tp1_and_a_killed_rank_fails_clearly():
             got = list(pool.map(lambda j: ask(base3, *j), jobs))
         assert got == want and all(got)
         info = httpx.get(f"{base3}/server_info").json()
-        assert info["free_pages"] == info["total_pages"]
+        assert info["free_pages"] == info["total_pages"] and info["spec_accept_length"] > 1.0, info
         ranks = [p for p in children(proc3.pid) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(ranks) == 2, ranks  # ranks 1 and 2 (rank 0 is the server)
         os.kill(ranks[-1], signal.SIGKILL)

@@ -345,6 +345,8 @@ class DecodeWorker(DisaggWorker):
                 if rec.target_hidden is not None and rec.hidden_start != drafted:
                     raise ValueError(f"target features from position {rec.hidden_start}, D's draft KV covers "
                                      f"{drafted} tokens ({room.cached_tokens} cached)")
+                # under tensor parallelism the handoff landed in rank 0's whole pages: each rank takes its heads
+                self.engine.runner.scatter_pages(room.pages[room.cached_tokens // self.peer_config.page_size:])
                 self.engine.add_prebuilt_request(room.request_id, room.prompt_token_ids, room.params, room.pages,
                                                  rec.handoff_token, lp, draft_state=draft_state,
                                                  target_hidden=rec.target_hidden, sampler_state=rec.sampler_state,

@@ -198,7 +198,8 @@ def page_pools(engine) -> list:
     """Pools moved per page id: the target pool, whose pages also hold the draft's layers when the draft's KV
     geometry matches (one descriptor per page); else, draft-on-both, the draft's own pool (same page ids).
     In draft-on-decode-only mode P's pages hold no draft layers: P writes the prefix of D's pages."""
-    pools = [engine.runner.kv_pool.buffer]  # [num_pages, layers, 2, page_size, kv_heads, head_dim]
+    # [num_pages, layers, 2, page_size, kv_heads, head_dim]; under tensor parallelism rank 0's whole pages
+    pools = [engine.runner.host_pool.buffer]
     draft_pool = getattr(engine.spec_runner.proposer, "pool", None) if engine.spec_runner else None
     if draft_pool is not None and draft_pool.parent is None and draft_mode(engine.config) == "both":
         pools.append(draft_pool.buffer)  # a draft with its own KV geometry: a second descriptor per page

@@ -35,9 +35,10 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, checkpoint=None, with_draft: bool = True):
+    def __init__(self, config: EngineConfig, checkpoint=None, with_draft: bool = True, pd_role: str | None = None):
         """with_draft=False (a PD prefill server in draft-on-decode-only mode): no draft model is loaded;
-        prefill-only requests keep the target features the draft consumes for the handoff instead."""
+        prefill-only requests keep the target features the draft consumes for the handoff instead.
+        pd_role: "prefill" / "decode" for a PD server (under tensor parallelism it keeps whole pages to hand off)."""
         self.config = config
         checkpoint = checkpoint or load_checkpoint(config.model)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
@@ -47,11 +48,10 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
         draft_layers = 0
-        # under tensor parallelism the draft runs whole on rank 0, in a pool of its own (specpd/model/tp.py)
-        if spec.enabled and with_draft and config.tp_size == 1:
+        if spec.enabled and with_draft:
             from specpd.draft.loader import shared_page_layers
             draft_layers = shared_page_layers(spec, self.model_config)
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role)
         pool = self.runner.kv_pool
         # with a prefix cache, a finishing request's deferred draft extends run (`_finish`)
         self.spec_runner = build_spec_runner(self.runner, spec, settles_deferred=config.cache.enable_prefix_caching) \

@@ -380,8 +380,10 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         if not spec.draft_model:
             raise ValueError(f"--speculative-algorithm {spec.speculative_algorithm} needs --draft-model")
         draft = load_draft_model(spec.draft_model, spec.speculative_algorithm, runner.model, cfg, runner.dtype)
-        pool = runner.kv_pool
-        shared = None  # the draft's layers inside the target's pages (the runner reserved them), else its own pool
+        # the draft's layers inside the target's whole pages (the runner reserved them), else its own pool; under
+        # tensor parallelism the draft runs whole on rank 0: in a PD server's whole pages, else its own pool
+        pool = runner.host_pool
+        shared = None
         if pool.num_layers == cfg.num_layers + draft.config.num_layers:
             shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)

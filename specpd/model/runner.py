@@ -43,9 +43,11 @@ StepResult = list[SampledTokens]
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0,
-                 pack: bool = True):
+                 pack: bool = True, pd_role: str | None = None):
         """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3.
-        pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through)."""
+        pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
+        pd_role ("prefill" / "decode"): under tensor parallelism, rank 0 also keeps whole pages for the handoff
+        (`host_pool`, specpd/model/tp.py)."""
         config = config.resolved()
         self.config = config
         self.device = torch.device(config.device)
@@ -58,7 +60,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.tp = None
         if config.tp_size != 1:
-            self._init_tensor_parallel(config, checkpoint, max_model_len, kv_extra_layers)
+            self._init_tensor_parallel(config, checkpoint, max_model_len, kv_extra_layers, pd_role)
             return
         with torch.device("meta"):
             model = CausalLM(self.model_config, max_model_len)
@@ -78,26 +80,47 @@ class ModelRunner:
                                         extra_layers=kv_extra_layers)
         mc = self.model_config
         self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
+        self.host_pool = self.kv_pool  # whole pages, where a draft's shared layers and a handoff live
         self._init_host_state(config)
 
     def _init_tensor_parallel(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
-                              kv_extra_layers: int) -> None:
+                              kv_extra_layers: int, pd_role: str | None) -> None:
         """Rank 0 of `config.tp_size` (specpd/model/tp.py): this process holds shard 0 of the decoder and the KV
-        pool (self.kv_pool: its heads of every page) and drives the worker ranks through self.model."""
+        pool (self.kv_pool: its heads of every page, no draft layers) and drives the worker ranks through
+        self.model. A PD server also keeps whole pages here (self.host_pool: every head, the draft's layers):
+        the handoff moves them as at TP 1, so P and D of any TP sizes pair; P gathers every forward's new K/V
+        into them, D scatters a committed handoff's pages to the ranks."""
         from specpd.model import tp
         tp.check_tp_size(self.model_config, config.tp_size)
         if config.quantization != "none":
             raise ValueError(f"tp_size {config.tp_size} with quantization {config.quantization!r} is not built")
         self.num_threads = config.num_threads or max(1, default_threads() // config.tp_size)
         torch.set_num_threads(self.num_threads)
-        group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len,
-                                             kv_extra_layers)
+        if pd_role is not None and config.cache.num_pages is None:  # whole pages as at TP 1, the same page count
+            from dataclasses import replace
+            page = KVPool.page_bytes(self.model_config, config.cache.page_size, self.dtype, kv_extra_layers)
+            config = replace(config, cache=replace(config.cache, num_pages=max(
+                1, (config.cache.kv_cache_memory_mb << 20) // page)))
+        group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len)
         weights = tp.shard_weights(checkpoint.weights, self.model_config, config.tp_size, 0)
         model, self.kv_pool, self.backend = tp.build_shard(config, checkpoint.hf_config, weights, max_model_len,
-                                                           kv_extra_layers, self.device, self.dtype)
+                                                           self.device, self.dtype)
         tp.attach(model, group)
         self.model = self.tp = tp.TPModel(model, group, conns, procs)
+        self.host_pool = self.kv_pool
+        if pd_role is not None:
+            mc, pool = self.model_config, self.kv_pool
+            self.host_pool = KVPool(pool.num_pages, mc.num_layers + kv_extra_layers, pool.page_size, mc.num_kv_heads,
+                                    mc.head_dim, self.dtype, self.device, allocator=pool.allocator)
+            if pd_role == "prefill":
+                self.tp.gather_into = (self.kv_pool, self.host_pool)
         self._init_host_state(config)
+
+    def scatter_pages(self, pages: list[int]) -> None:
+        """Under tensor parallelism, a PD decode server: the handoff's whole pages (host_pool) to every rank's
+        heads (each rank's kv_pool). Nothing to do at TP 1: the handoff landed in kv_pool itself."""
+        if self.tp is not None and self.host_pool is not self.kv_pool and pages:
+            self.tp.scatter_pages(self.host_pool, self.kv_pool, pages)
 
     def compact_kv(self, moves) -> None:
         """Move KV slots inside the pool's pages (moves: path_slot_moves' lists: a verified tree path next to

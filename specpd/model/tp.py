@@ -96,6 +96,18 @@ class TPGroup:
         self.group = dist.ProcessGroupGloo(store, rank, size, options)
         self.rank, self.size = rank, size
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        try:
+            self.group.send([x], dst, 0).wait()
+        except RuntimeError as e:
+            raise RankFailed(f"tensor-parallel send from rank {self.rank} to rank {dst} failed: {e}") from e
+
+    def recv(self, x: torch.Tensor, src: int) -> None:
+        try:
+            self.group.recv([x], src, 0).wait()
+        except RuntimeError as e:
+            raise RankFailed(f"tensor-parallel recv on rank {self.rank} from rank {src} failed: {e}") from e
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (every rank ends with the same bits: gloo reduces each chunk once)."""
         try:
@@ -122,18 +134,41 @@ class TPModel:
     rank 0's shard; every other attribute is the local CausalLM's (compute_logits, embed_tokens, layers...)."""
 
     def __init__(self, model: torch.nn.Module, group: TPGroup, conns: list, procs: list):
-        self.__dict__.update(_model=model, _group=group, _conns=conns, _procs=procs, _closed=False)
+        self.__dict__.update(_model=model, _group=group, _conns=conns, _procs=procs, _closed=False,
+                             gather_into=None)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, backend, meta, capture_layers=()):
         self._send(("forward", input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
-        return self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
+        out = self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
+        if self.gather_into is not None:  # a PD prefill server: the new K/V into whole pages for the handoff
+            self.gather_slots(*self.gather_into, meta.write_pages, meta.write_offsets)
+        return out
 
     def compact_kv(self, moves) -> None:
         """The workers apply the KV slot moves rank 0 applied (a verified tree path next to its root)."""
         self._send(("compact_kv", moves))
+
+    def gather_slots(self, shard, whole, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Every rank's heads of the slots (pages[i], offsets[i]) into `whole` (a KVPool of every head)."""
+        self._send(("gather_kv", pages, offsets))
+        layers, heads = shard.num_layers, shard.kv_heads
+        whole.buffer[pages, :layers, :, offsets, :heads] = shard.buffer[pages, :, :, offsets]
+        for rank in range(1, self._group.size):
+            part = torch.empty((len(pages), layers, 2, heads, shard.head_dim), dtype=shard.dtype)
+            self._group.recv(part, rank)
+            whole.buffer[pages, :layers, :, offsets, rank * heads:(rank + 1) * heads] = part
+
+    def scatter_pages(self, whole, shard, pages: list[int]) -> None:
+        """Whole pages of `whole` to every rank's heads (rank 0's own `shard` included)."""
+        self._send(("scatter_kv", pages))
+        layers, heads = shard.num_layers, shard.kv_heads
+        index = torch.tensor(pages)
+        shard.buffer[index] = whole.buffer[index, :layers, :, :, :heads]
+        for rank in range(1, self._group.size):
+            self._group.send(whole.buffer[index, :layers, :, :, rank * heads:(rank + 1) * heads].contiguous(), rank)
 
     def _send(self, message) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -171,8 +206,8 @@ def _rank_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, default_threads() // config.tp_size)
 
 
-def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor], max_model_len: int,
-                kv_extra_layers: int) -> tuple[TPGroup, list, list]:
+def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor],
+                max_model_len: int) -> tuple[TPGroup, list, list]:
     """Spawn ranks 1..tp-1 (each builds its shard of the decoder and the KV pool) and join rank 0 to the group;
     returns (group, pipes, processes)."""
     size = config.tp_size
@@ -184,7 +219,7 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, name=f"specpd-tp{rank}", daemon=True,
                            args=(rank, store.port, config, hf_config, shard_weights(weights, cfg, size, rank),
-                                 max_model_len, kv_extra_layers, child))
+                                 max_model_len, child))
         proc.start()
         child.close()
         conns.append(parent)
@@ -199,7 +234,7 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
 
 
 def build_shard(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor], max_model_len: int,
-                kv_extra_layers: int, device: torch.device, dtype: torch.dtype):
+                device: torch.device, dtype: torch.dtype):
     """(decoder shard, its KV pool, its attention backend): what every rank builds from its weights."""
     from specpd.attention.base import get_backend_class
     from specpd.kv.pool import KVPool
@@ -215,21 +250,21 @@ def build_shard(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
     model.rotary = Rotary(cfg, max_model_len).to(device)
     cache = config.cache
     pool = KVPool.for_model(cfg, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
-                            num_pages=cache.num_pages, extra_layers=kv_extra_layers)
+                            num_pages=cache.num_pages)
     backend = get_backend_class(config.attention_backend)(pool, cfg.num_heads, cfg.head_dim)
     return model, pool, backend
 
 
 def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: dict, weights: dict,
-                 max_model_len: int, kv_extra_layers: int, conn) -> None:
+                 max_model_len: int, conn) -> None:
     from specpd.kernels.kv_compact import compact_pool
     from specpd.kv.pool import DTYPES
     torch.set_num_threads(_rank_threads(config))
     torch.manual_seed(config.seed)
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(store, rank, config.tp_size)
-    model, pool, backend = build_shard(config, hf_config, weights, max_model_len, kv_extra_layers,
-                                        torch.device(config.device), DTYPES[config.dtype])
+    model, pool, backend = build_shard(config, hf_config, weights, max_model_len, torch.device(config.device),
+                                       DTYPES[config.dtype])
     del weights
     attach(model, group)
     with torch.inference_mode():
@@ -242,6 +277,16 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
                 return
             if message[0] == "compact_kv":
                 compact_pool(pool, message[1])
+                continue
+            if message[0] == "gather_kv":  # this rank's heads of the slots rank 0 names, to rank 0
+                _, pages, offsets = message
+                group.send(pool.buffer[pages, :, :, offsets].contiguous(), 0)
+                continue
+            if message[0] == "scatter_kv":  # this rank's heads of whole pages, from rank 0
+                pages = message[1]
+                block = torch.empty((len(pages), *pool.buffer.shape[1:]), dtype=pool.dtype)
+                group.recv(block, 0)
+                pool.buffer[pages] = block
                 continue
             _, input_ids, positions, meta, capture = message
             backend.plan(meta)

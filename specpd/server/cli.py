@@ -144,9 +144,6 @@ def serve(args: argparse.Namespace) -> int:
     from specpd.server.async_engine import EngineThread
 
     config = config_from_args(args)
-    if args.role in ("prefill", "decode") and config.tp_size > 1:
-        raise SystemExit(f"specpd serve --role {args.role} --tp-size {config.tp_size}: prefill and decode servers "
-                         f"run at --tp-size 1 for now (tensor parallelism serves unified only)")
     if args.role in ("prefill", "decode"):
         # KV moves in transfer threads (P: the backend's writers; D with --transfer-backend tcp: its
         # receiver) that must take the GIL back from the engine thread after every transfer call; at the
@@ -164,7 +161,8 @@ def serve(args: argparse.Namespace) -> int:
         # draft-on-decode-only: the prefill server runs no draft, it hands D the target features instead
         # a model-free drafter (ngram) lives on D only
         engine = LLMEngine(config, with_draft=not (args.role == "prefill" and (
-            config.spec.draft_mode == "decode-only" or config.spec.model_free)))
+            config.spec.draft_mode == "decode-only" or config.spec.model_free)),
+            pd_role=args.role if args.role in ("prefill", "decode") else None)
         if args.role == "prefill":
             from specpd.disagg.prefill import PrefillWorker
             engine = PrefillWorker(engine, transfer_backend, args.host, args.bootstrap_port,
@@ -302,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--cluster-ready-file", metavar="PATH",
                     help="router: /health answers 503 until PATH exists (--disagg sets it: the router's /health "
                          "is 200 only once the launcher has printed its ready line and supervises the cluster)")
+    pd.add_argument("--prefill-tp", type=int, metavar="N", help="--disagg: the prefill servers' --tp-size (default: "
+                    "--tp-size); P and D of any two sizes pair (whole pages travel, each rank takes its heads)")
+    pd.add_argument("--decode-tp", type=int, metavar="N", help="--disagg: the decode servers' --tp-size (default: "
+                    "--tp-size)")
     pd.add_argument("--prefill-port", type=int, help="--disagg: first prefill server's port (default: --port+1)")
     pd.add_argument("--decode-port", type=int, help="--disagg: first decode server's port (default: --port+1+N)")
     pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",

@@ -7,7 +7,9 @@
    else tcp, with one line saying why) and passed explicitly to every P and D, so they never disagree.
 2. Threads: the cores this command may use are split between the children (specpd.machine.split_cores: an
    even share each, the remainder to decode servers first; 1p1d on 2 cores: one torch thread each), passed as
-   --num-threads unless the command line gives --num-threads itself (then every child gets that).
+   --num-threads unless the command line gives --num-threads itself (then every child gets that). With
+   --prefill-tp / --decode-tp a child runs that many tensor-parallel ranks (--tp-size) and its share of the
+   cores is divided between them (--num-threads is per rank).
    Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
    on --bootstrap-port and up), M decode servers (HTTP on --decode-port (default --port+1+N) and up), each a
    `python -m specpd serve` process with every engine flag of this command line.
@@ -57,7 +59,8 @@ MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
 # flags this launcher sets itself per child; everything else is passed to every P and D
 _OWN_FLAGS = {"--disagg": 1, "--port": 1, "--role": 1, "--prefill-port": 1, "--decode-port": 1,
               "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1,
-              "--transfer-backend": 1, "--api-key": 1, "--cluster-ready-file": 1}  # the key guards the router only
+              "--transfer-backend": 1, "--api-key": 1, "--cluster-ready-file": 1,  # the key guards the router only
+              "--prefill-tp": 1, "--decode-tp": 1}
 _PROBE = ("from specpd.disagg.transfer import backend_available as a; ok, why = a('mooncake'); "
           "print('' if ok else why)")
 
@@ -111,11 +114,13 @@ def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: 
     p_threads, d_threads = split_cores(usable_cores(), n_p, n_d)
     given = any(a.split("=", 1)[0] == "--num-threads" for a in rest)  # the user's choice goes to every child
 
-    def threads(n: int) -> list[str]:
-        return [] if given else ["--num-threads", str(n)]
+    def threads(n: int, tp: int | None) -> list[str]:  # --num-threads is per tensor-parallel rank
+        return ([] if given else ["--num-threads", str(max(1, n // (tp or 1)))]) + (
+            ["--tp-size", str(tp)] if tp else [])
+    p_tp, d_tp = getattr(args, "prefill_tp", None), getattr(args, "decode_tp", None)
     prefill = [base + ["--role", "prefill", "--port", str(p_port + i), "--bootstrap-port",
-                       str(args.bootstrap_port + i)] + pd + threads(p_threads[i]) + rest for i in range(n_p)]
-    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + threads(d_threads[j]) + rest
+                       str(args.bootstrap_port + i)] + pd + rest + threads(p_threads[i], p_tp) for i in range(n_p)]
+    decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + rest + threads(d_threads[j], d_tp)
               for j in range(n_d)]
     p_urls = ",".join(f"http://{args.host}:{p_port + i}" for i in range(n_p))
     d_urls = ",".join(f"http://{args.host}:{d_port + j}" for j in range(n_d))

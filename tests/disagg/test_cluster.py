@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from specpd.machine import usable_cores
+from specpd.machine import split_cores, usable_cores
 from specpd.server.cluster import child_commands, choose_transfer_backend
 from specpd.server.launch import REPO, free_port, tail
 from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
@@ -41,6 +41,14 @@ def test_children_get_the_launchers_transfer_backend():
     given = argv + ["--num-threads", "4"]
     prefill, decode, _ = child_commands(build_parser().parse_args(given), given[1:], "tcp")
     assert all(c.count("--num-threads") == 1 and c[c.index("--num-threads") + 1] == "4" for c in prefill + decode)
+    # per-role tensor parallelism: each child its --tp-size, its share of the cores divided between its ranks
+    sized = ["serve", "--disagg", "1p1d", "--model", "m", "--port", "9000", "--prefill-tp", "3", "--decode-tp=2"]
+    [p_cmd], [d_cmd], router = child_commands(build_parser().parse_args(sized), sized[1:], "tcp")
+    assert p_cmd[p_cmd.index("--tp-size") + 1] == "3" and d_cmd[d_cmd.index("--tp-size") + 1] == "2"
+    assert "--prefill-tp" not in p_cmd + d_cmd + router and "--decode-tp=2" not in p_cmd + d_cmd + router
+    p_share, d_share = split_cores(usable_cores(), 1, 1)
+    assert int(p_cmd[p_cmd.index("--num-threads") + 1]) == max(1, p_share[0] // 3)
+    assert int(d_cmd[d_cmd.index("--num-threads") + 1]) == max(1, d_share[0] // 2)
 
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])

@@ -1,13 +1,12 @@
 """`specpd serve --tp-size 3` (the default model: 9 heads, 3 KV heads) with the shipped EAGLE-3 head and the
 adaptive policy as a user starts it (calibrated at startup through the TP group), the way a user serves it:
 concurrent streamed and plain requests answer what a plain TP 1 server answers, it speculates, every page comes
-back; a killed rank fails the
-next request with an error naming it and /health turns 503; PD roles at TP > 1 are refused at start."""
+back; a killed rank fails the next request with an error naming it and /health turns 503 (PD roles at
+TP > 1: tests/disagg/test_pd_tp.py)."""
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,9 +64,3 @@ def test_a_speculating_tp3_server_answers_as_tp1_and_a_killed_rank_fails_clearly
         assert httpx.get(f"{base3}/health").status_code == 503
         assert ask(base1, QUESTIONS[0], 8, False) == want[0]  # the other server is untouched
 
-
-def test_pd_roles_at_tp_above_1_are_refused_at_start():
-    out = subprocess.run([sys.executable, "-m", "specpd", "serve", "--role", "prefill", "--tp-size", "3",
-                          "--port", "1", "--bootstrap-port", "2", *COMMON], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode != 0 and "--tp-size 3" in out.stderr and "prefill" in out.stderr, out.stderr

@@ -1,13 +1,16 @@
 """Tensor parallelism's step time against TP 1 on this box, and the all-reduce's share of it.
 
-`python evals/bench_tp.py [--tp 3] [--batches 1 8] [--steps 24] [--rounds 5]` -> evals/results/tp.json
+`python evals/bench_tp.py [--tp 3] [--batches 1 8] [--steps 24] [--rounds 5] [--prefill-tokens 512]`
+  -> evals/results/tp.json
 Two engines on the default model, the user's defaults but the TP size (dtype auto, attention auto, threads:
 TP 1 takes every core, TP N the cores / N per rank), stay loaded side by side; every round times, for each batch
 size, `--steps` decode steps of TP 1 and then of TP N (interleaved, fresh requests each round; prefill is not
 timed). Rank 0's all-reduces are timed in the same steps (wall clock: it includes waiting for the slowest rank,
 which is what a step pays). On a 2-core box TP is a correctness feature: three ranks share two cores, so the
 ratio says what the split and its 2 x layers all-reduces cost per step, not what a machine with a core (or a
-GPU) per rank would gain.
+GPU) per rank would gain. Each round also times one prefill of a `--prefill-tokens` prompt at TP 1, at TP N,
+and at TP N as a PD prefill server keeps whole pages for the handoff (every forward's new K/V gathered from the
+ranks into rank 0: what P pays so that any D TP size can take its pages, one descriptor per page).
 """
 from __future__ import annotations
 
@@ -73,12 +76,20 @@ def decode_steps(engine: LLMEngine, prompts: list[list[int]], steps: int, timer:
     return out
 
 
+def prefill_ms(engine: LLMEngine, prompt: list[int]) -> float:
+    torch.set_num_threads(engine.runner.num_threads)
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    return 1000 * (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp.json"))
     args = ap.parse_args()
     info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
@@ -87,9 +98,12 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     one = LLMEngine(EngineConfig(model="default"), checkpoint=checkpoint)
     many = LLMEngine(EngineConfig(model="default", tp_size=args.tp), checkpoint=checkpoint)
+    staging = LLMEngine(EngineConfig(model="default", tp_size=args.tp), checkpoint=checkpoint, pd_role="prefill")
+    long_prompt = [t for p in prompts for t in p] * (args.prefill_tokens // sum(map(len, prompts)) + 2)
     timer = AllReduceTimer(many.runner.tp._group)
     log(f"tp1 threads {one.runner.num_threads}, tp{args.tp} threads per rank {many.runner.num_threads}")
     rows = {b: {"tp1": [], f"tp{args.tp}": []} for b in args.batches}
+    prefill = {"tp1": [], f"tp{args.tp}": [], f"tp{args.tp}_pd_prefill_whole_pages": []}
     try:
         for rnd in range(args.rounds + 1):  # round 0 warms both
             for b in args.batches:
@@ -99,10 +113,19 @@ def main() -> None:
                 if rnd:
                     rows[b]["tp1"].append(r1)
                     rows[b][f"tp{args.tp}"].append(rn)
+                if b == args.batches[-1]:
+                    fresh = long_prompt[7 * rnd:7 * rnd + args.prefill_tokens]  # a new first page: no prefix-cache hit
+                    got = [prefill_ms(e, fresh) for e in (one, many, staging)]
+                    if rnd:
+                        for key, ms in zip(prefill, got):
+                            prefill[key].append(ms)
+                    log(f"round {rnd} prefill {args.prefill_tokens}: " + ", ".join(f"{k} {v:.0f} ms"
+                                                                                 for k, v in zip(prefill, got)))
                 log(f"round {rnd} b{b}: tp1 {r1['step_ms']:.1f} ms, tp{args.tp} {rn['step_ms']:.1f} ms "
                     f"(all-reduce {rn['all_reduce_ms']:.1f} ms)")
     finally:
         many.close()
+        staging.close()
     summary = {}
     for b, r in rows.items():
         t1 = [x["step_ms"] for x in r["tp1"]]
@@ -116,7 +139,10 @@ def main() -> None:
                             "all_reduce_ms_median": statistics.median(ar),
                             "all_reduce_share_median": statistics.median(a / n for a, n in zip(ar, tn)),
                             "all_reduces_per_step": r[f"tp{args.tp}"][0]["all_reduces_per_step"]}
-    info.update(tp=args.tp, tp1_threads=one.runner.num_threads, tpn_threads_per_rank=many.runner.num_threads,
+    summary["prefill"] = {f"{k}_ms_median": statistics.median(v) for k, v in prefill.items()}
+    summary["prefill"]["whole_pages_over_tp_n_median"] = statistics.median(
+        a / b for a, b in zip(prefill[f"tp{args.tp}_pd_prefill_whole_pages"], prefill[f"tp{args.tp}"]))
+    info.update(prefill_tokens=args.prefill_tokens, tp=args.tp, tp1_threads=one.runner.num_threads, tpn_threads_per_rank=many.runner.num_threads,
                 dtype=one.runner.config.dtype, steps=args.steps, rounds=args.rounds, summary=summary, rounds_raw=rows)
     write_json(args.out, info)
     log(summary)

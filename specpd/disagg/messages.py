@@ -42,6 +42,9 @@ PROTOCOL_VERSION = 1
 DRAFT_MODES = ("none", "both", "decode_only")  # where the draft extend over the prompt runs
 
 
+KV_LAYOUT = "page[layer][k|v][slot][kv_head][dim], all heads"
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     """What P and D must agree on. `draft_mode`: "both" (P runs the draft extend) | "decode_only" | "none"."""
@@ -55,6 +58,10 @@ class PeerConfig:
     transfer_backend: str = "tcp"  # specpd.disagg.transfer.TRANSFER_BACKENDS: both sides must move pages alike
     # structured outputs: P masks y0 and D every later token, so both must compile grammars alike
     grammar_backend: str = ""  # specpd.grammar.backend_id(), e.g. "xgrammar==0.2.9"
+    # what a page on the wire holds, whatever either side's tensor-parallel size: every KV head of every layer
+    # (a TP server gathers and scatters its ranks' heads on rank 0, specpd/model/tp.py), so P and D of any TP
+    # sizes pair; a server with another wire layout is refused naming both
+    kv_layout: str = KV_LAYOUT
 
 
 class ConfigMismatch(ValueError):

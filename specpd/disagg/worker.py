@@ -277,6 +277,9 @@ class DisaggWorker:
     def disagg_busy(self) -> bool:
         return False
 
+    def dead_ranks(self) -> list[int]:
+        return self.engine.dead_ranks()
+
     def has_unfinished_requests(self) -> bool:
         return (self.engine.has_unfinished_requests() or self.disagg_busy() or bool(self._outputs)
                 or not self.control.inbox.empty())

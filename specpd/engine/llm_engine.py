@@ -258,6 +258,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self._aborted.append(request_id)
 
+    def dead_ranks(self) -> list[int]:
+        """Tensor-parallel ranks whose process exited (the engine cannot step again); [] at TP 1."""
+        return self.runner.tp.dead_ranks() if self.runner.tp is not None else []
+
     def close(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel worker ranks); idempotent."""
         self.runner.close()

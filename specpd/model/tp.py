@@ -180,6 +180,9 @@ class TPModel:
             except OSError as e:
                 raise RankFailed(f"tensor-parallel rank {rank} of {self._group.size} is gone: {e}") from e
 
+    def dead_ranks(self) -> list[int]:
+        return [rank for rank, proc in enumerate(self._procs, start=1) if not proc.is_alive()]
+
     @property
     def workers(self) -> list:
         return list(self._procs)

@@ -286,6 +286,9 @@ class _Handlers:
             "root": getattr(self.engine.config, "model", self.model_name), "max_model_len": self.engine.max_model_len}]}
 
     async def health(self):
+        if dead := self.async_engine.dead_ranks():
+            return JSONResponse(error_body(f"tensor-parallel rank(s) {dead} of the engine exited: the server "
+                                           f"cannot generate", None, 503, "server_error"), status_code=503)
         if not self.async_engine.alive:
             return JSONResponse(error_body(f"engine thread is not running: {self.async_engine.error!r}",
                                            None, 503, "server_error"), status_code=503)

@@ -29,6 +29,10 @@ from specpd.core import RequestOutput, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+RANK_WATCH_S = 0.5  # how often a tensor-parallel server checks its ranks' processes
+RANK_EXIT_GRACE_S = 1.0  # from a dead rank's requests failing to the process exiting
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread hit an exception in step(); the server can no longer generate."""
 
@@ -170,6 +174,19 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = EngineThread(self.priority)
         self._running = self._thread.submit(self._run)
+        if getattr(getattr(self.engine, "config", None), "tp_size", 1) > 1:
+            threading.Thread(target=self._watch_ranks, name="specpd-tp-watch", daemon=True).start()
+
+    def _watch_ranks(self) -> None:
+        """A tensor-parallel server whose rank died cannot generate again: its waiting requests get the error,
+        then the process exits (1) so that whatever supervises it (`--disagg`'s launcher, systemd, k8s) starts
+        a whole new group at once, as vLLM's server does when its engine core dies; an idle server notices too."""
+        while not (dead := self.dead_ranks()):
+            time.sleep(RANK_WATCH_S)
+        logger.error("tensor-parallel rank(s) %s exited: stopping this server", dead)
+        self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self.why_dead()))
+        time.sleep(RANK_EXIT_GRACE_S)  # the failed requests' answers leave first
+        os._exit(1)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._running is not None and not self._running.done():
@@ -178,7 +195,19 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._running is not None and not self._running.done() and self.error is None
+        return (self._running is not None and not self._running.done() and self.error is None
+                and not self.dead_ranks())
+
+    def why_dead(self) -> str:
+        dead = self.dead_ranks()
+        if self.error is None and dead:
+            return f"the engine is not running: its tensor-parallel rank(s) {dead} exited"
+        return f"the engine is not running: {self.error!r}"
+
+    def dead_ranks(self) -> list[int]:
+        """The engine's tensor-parallel ranks that exited (read from their process handles, no engine call)."""
+        dead = getattr(self.engine, "dead_ranks", None)
+        return dead() if dead is not None else []
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats() as of its last step (read without touching the engine)."""
@@ -199,7 +228,7 @@ class AsyncEngine:
                      params: SamplingParams) -> RequestStream:
         """Queue a request; returns once the engine admitted it. Raises InvalidRequest if it didn't."""
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            raise EngineDeadError(self.why_dead())
         self.check_queue()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
@@ -215,7 +244,7 @@ class AsyncEngine:
     async def call(self, fn) -> Any:
         """`fn(engine)` on the engine thread, between steps; its result (or exception) comes back here."""
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            raise EngineDeadError(self.why_dead())
         done = self._loop.create_future()
         self._inbox.put(_Call(fn, done))
         return await done

@@ -99,6 +99,43 @@ def test_a_killed_server_is_restarted_and_the_cluster_serves_again(model_dir, ex
         assert all(other[q] == 0 for q in queues), other
 
 
+def test_a_killed_tensor_parallel_rank_restarts_its_server_and_the_cluster_serves_again(model_dir, expected):  # noqa: F811
+    """D at --decode-tp 2: its rank 1 killed, D exits on its own (specpd/server/async_engine.py) and the
+    launcher starts a whole new D (a new group); P is untouched and the cluster answers as before."""
+    p_port, d_port, boot = free_port(), free_port(), free_port()
+    args = ["--disagg", "1p1d", "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port",
+            str(boot), "--log-level", "warning", "--decode-tp", "2", "--pd-local-prefill-tokens", "0",
+            *engine_args(model_dir)]
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    body = {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+
+    def tokens(resp):
+        return [int(t.removeprefix("token_id:")) for t in resp.json()["choices"][0]["logprobs"]["tokens"]]
+
+    with launch_server(args) as srv:
+        client = srv["client"]
+        resp = client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and tokens(resp) == expected[1], resp.text
+        d_info, p_pid = httpx.get(d_url + "/server_info").json(), httpx.get(p_url + "/server_info").json()["pid"]
+        assert d_info["runtime"]["tp_size"] == 2
+        out = subprocess.run(["pgrep", "-P", str(d_info["pid"])], capture_output=True, text=True).stdout.split()
+        [rank] = [int(p) for p in out if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(rank, signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            assert srv["proc"].poll() is None, f"the launcher stopped the cluster:\n{tail(srv['log'])}"
+            assert time.monotonic() - killed < 60, "the cluster did not serve again within a minute"
+            try:
+                resp = client.post("/v1/completions", json=body, timeout=30)
+                if resp.status_code == 200 and httpx.get(d_url + "/server_info").json()["pid"] != d_info["pid"]:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        assert tokens(resp) == expected[1]
+        assert httpx.get(p_url + "/server_info").json()["pid"] == p_pid  # P untouched
+
+
 def _launcher(args: list[str], log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OPENBLAS_NUM_THREADS": "1"}

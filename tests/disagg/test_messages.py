@@ -148,7 +148,8 @@ def test_malformed_frames_raise_message_error():
 
 @pytest.mark.parametrize("name,value", [("model", "llama-7b"), ("draft_model", None), ("page_size", 32),
                                         ("dtype", "float32"), ("spec_algorithm", "eagle"), ("draft_mode", "both"),
-                                        ("transfer_backend", "mooncake")])
+                                        ("transfer_backend", "mooncake"),
+                                        ("kv_layout", "page[layer][k|v][kv_head][slot][dim], all heads")])
 def test_check_compatible_names_both_values(name, value):
     check_compatible(CFG, CFG)
     other = dataclasses.replace(CFG, **{name: value})

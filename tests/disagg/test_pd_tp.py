@@ -3,7 +3,7 @@ processes, a tiny random Llama (4 heads, 2 KV heads), token-id prompts, KV over 
 
 A P at TP a gathers every forward's new K/V into whole pages on its rank 0; the pages travel as at TP 1; a D at
 TP b scatters a committed handoff's pages to its ranks (specpd/model/tp.py). For 1->2, 2->1 and 2->2, with no
-draft and with an EAGLE tree in both draft modes (the fixed policy): greedy output through the router is the
+draft and with an EAGLE chain and tree in both draft modes (the fixed policy): greedy output through the router is the
 unified TP 1 engine's (plain and streamed), D reports the unified engine's verify rounds and accepted tokens
 request by request, and every server's pages come back to the total.
 """
@@ -15,20 +15,23 @@ from tests.disagg.test_pd_e2e import (MAX_TOKENS, PROMPTS, eagle_dir, engine_arg
                                       servers, spec_flags, stream_tokens, tiny, unified_run, wait_free_pages)
 from tests.disagg.test_pd_e2e import TREE
 
-CASES = [pytest.param(1, 2, "both", id="p1-d2-eagle-tree-draft-on-both"),
-         pytest.param(2, 1, "both", id="p2-d1-eagle-tree-draft-on-both"),
-         pytest.param(2, 2, "decode-only", id="p2-d2-eagle-tree-draft-on-decode-only"),
-         pytest.param(2, 1, None, id="p2-d1-no-draft")]
+CASES = [pytest.param(1, 2, "both", TREE, id="p1-d2-eagle-tree-draft-on-both"),
+         pytest.param(2, 1, "both", TREE, id="p2-d1-eagle-tree-draft-on-both"),
+         pytest.param(2, 2, "decode-only", TREE, id="p2-d2-eagle-tree-draft-on-decode-only"),
+         pytest.param(1, 2, "decode-only", None, id="p1-d2-eagle-chain-draft-on-decode-only"),
+         pytest.param(2, 1, "both", None, id="p2-d1-eagle-chain-draft-on-both"),
+         pytest.param(2, 1, None, None, id="p2-d1-no-draft")]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,mode", CASES)
-def test_p_and_d_of_different_tp_sizes_match_unified(model_dir, eagle_dir, expected, p_tp, d_tp, mode):  # noqa: F811
+@pytest.mark.parametrize("p_tp,d_tp,mode,tree", CASES)
+def test_p_and_d_of_different_tp_sizes_match_unified(model_dir, eagle_dir, expected, p_tp, d_tp, mode,  # noqa: F811
+                                                     tree):
     boot = free_port()
-    spec = spec_flags(eagle_dir, mode, TREE)
+    spec = spec_flags(eagle_dir, mode, tree)
     specs = [["--role", "prefill", "--transfer-backend", "tcp", "--bootstrap-port", str(boot), "--tp-size", str(p_tp),
               *engine_args(model_dir), *spec],
              ["--role", "decode", "--transfer-backend", "tcp", "--tp-size", str(d_tp), *engine_args(model_dir), *spec]]
-    want_counts, _ = unified_run(model_dir, eagle_dir, mode, TREE)
+    want_counts, _ = unified_run(model_dir, eagle_dir, mode, tree)
     with servers(specs) as (p_url, d_url):
         for url, tp in ((p_url, p_tp), (d_url, d_tp)):
             assert httpx.get(url + "/server_info").json()["runtime"]["tp_size"] == tp

@@ -83,11 +83,12 @@ def launcher_cluster(engine_args: list[str]):
 
 
 @contextlib.contextmanager
-def pd_cluster(engine_args: list[str], backend: str):
+def pd_cluster(engine_args: list[str], backend: str, p_tp: int = 1, d_tp: int = 1):
+    """P on core 0, D on core 1 (a TP server's ranks share its core: a correctness run, e.g. descriptors)."""
     boot = free_port()
     common = ["--transfer-backend", backend, "--num-threads", "1", *engine_args]
-    with launch([(["--role", "prefill", "--bootstrap-port", str(boot), *common], "0"),
-                 (["--role", "decode", *common], "1")]) as (p, d):
+    with launch([(["--role", "prefill", "--bootstrap-port", str(boot), "--tp-size", str(p_tp), *common], "0"),
+                 (["--role", "decode", "--tp-size", str(d_tp), *common], "1")]) as (p, d):
         with launch([(["--role", "router", "--prefill", p, "--decode", d, "--bootstrap-port", str(boot)], None)]) \
                 as (router,):
             yield router, p, d
@@ -103,6 +104,8 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
     ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
                     help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="P's --tp-size (PD configs)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="D's --tp-size (PD configs)")
     ap.add_argument("--serve-defaults", action="store_true",
                     help="exactly `make serve`'s command per config (the --disagg launcher, the model and spec flags "
                          "only): no pinning, threads, priority or page settings of this benchmark's own")
@@ -310,7 +313,8 @@ def main() -> int:
         if args.serve_defaults:
             cm = unified_cluster(engine_args, True) if kind == "unified" else launcher_cluster(engine_args)
         else:
-            cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend)
+            cm = unified_cluster(engine_args) if kind == "unified" else pd_cluster(engine_args, args.backend,
+                                                                                   args.prefill_tp, args.decode_tp)
         with cm as urls:
             url = urls[0]
             warm = run_workload(url, first, [0, 0], 4)  # first-request costs out of the measurement

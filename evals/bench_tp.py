@@ -11,6 +11,9 @@ ratio says what the split and its 2 x layers all-reduces cost per step, not what
 GPU) per rank would gain. Each round also times one prefill of a `--prefill-tokens` prompt at TP 1, at TP N,
 and at TP N as a PD prefill server keeps whole pages for the handoff (every forward's new K/V gathered from the
 ranks into rank 0: what P pays so that any D TP size can take its pages, one descriptor per page).
+`--pairs 1:1,3:1,1:3,3:3` then serves real P and D servers of those TP sizes (the shipped EAGLE-3 head,
+draft-on-both, Mooncake where it loads) and reads P's transfer counters: descriptors per request and per page
+for each P->D pair (the target: at most one per overlapping head range; whole pages: one per page and pool).
 """
 from __future__ import annotations
 
@@ -83,6 +86,37 @@ def prefill_ms(engine: LLMEngine, prompt: list[int]) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
+def descriptors(pairs: list[tuple[int, int]], prompts: list[list[int]]) -> list[dict]:
+    """Per P:D TP pair: P's transfer counters after one greedy request per prompt through the router."""
+    import httpx
+    from bench_pd import pd_cluster
+    from common import transfer_backend
+    backend = transfer_backend("mooncake")
+    args = ["--model", "default", "--page-size", "16", "--speculative-algorithm", "eagle3", "--draft-model",
+            "default", "--draft-mode", "both", "--disable-prefix-caching"]  # every request sends all its pages
+    rows = []
+    for p_tp, d_tp in pairs:
+        with pd_cluster(args, backend, p_tp, d_tp) as (router, p_url, _d_url):
+            texts = []
+            for prompt in prompts:
+                resp = httpx.post(router + "/v1/completions", timeout=300, json={
+                    "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+                resp.raise_for_status()
+                texts.append(resp.json()["choices"][0]["text"])
+            info = httpx.get(p_url + "/server_info").json()
+        pages = sum(-(-len(p) // 16) for p in prompts)
+        kv = {k: info.get(k) for k in ("kv_transfers", "kv_descriptors", "kv_bytes")}
+        rows.append({"prefill_tp": p_tp, "decode_tp": d_tp, "transfer_backend": backend, "requests": len(prompts),
+                     "prompt_pages": pages, **kv, "descriptors_per_request": kv["kv_descriptors"] / len(prompts),
+                     "descriptors_per_page": kv["kv_descriptors"] / pages, "texts": texts})
+        log(f"P tp{p_tp} -> D tp{d_tp}: {rows[-1]['descriptors_per_page']:.2f} descriptors per page "
+            f"({kv['kv_descriptors']} for {pages} pages, {kv['kv_bytes']} B)")
+    same = all(r["texts"] == rows[0]["texts"] for r in rows)
+    for r in rows:
+        r["same_text_as_first_pair"] = same
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=3)
@@ -90,6 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--pairs", default="1:1,3:1,1:3,3:3", help="P:D TP sizes for the descriptor count ('' skips)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp.json"))
     args = ap.parse_args()
     info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
@@ -142,6 +177,8 @@ def main() -> None:
     summary["prefill"] = {f"{k}_ms_median": statistics.median(v) for k, v in prefill.items()}
     summary["prefill"]["whole_pages_over_tp_n_median"] = statistics.median(
         a / b for a, b in zip(prefill[f"tp{args.tp}_pd_prefill_whole_pages"], prefill[f"tp{args.tp}"]))
+    pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",") if p]
+    info["pd_descriptors"] = descriptors(pairs, prompts[:4]) if pairs else []
     info.update(prefill_tokens=args.prefill_tokens, tp=args.tp, tp1_threads=one.runner.num_threads, tpn_threads_per_rank=many.runner.num_threads,
                 dtype=one.runner.config.dtype, steps=args.steps, rounds=args.rounds, summary=summary, rounds_raw=rows)
     write_json(args.out, info)

@@ -109,11 +109,15 @@ class TPGroup:
             raise RankFailed(f"tensor-parallel recv on rank {self.rank} from rank {src} failed: {e}") from e
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (every rank ends with the same bits: gloo reduces each chunk once)."""
+        """Sum over ranks, in place (every rank ends with the same bits: gloo reduces each chunk once). A bf16 /
+        fp16 partial sum is summed in fp32 and rounded once, as TP 1's GEMM rounds its fp32 accumulator once."""
+        wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         try:
-            self.group.allreduce([x]).wait()
+            self.group.allreduce([wide]).wait()
         except RuntimeError as e:
             raise RankFailed(f"tensor-parallel all-reduce failed on rank {self.rank} of {self.size}: {e}") from e
+        if wide is not x:
+            x.copy_(wide)
         return x
 
 

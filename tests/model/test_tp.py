@@ -189,3 +189,23 @@ def test_the_shipped_head_at_tp3_on_the_default_model_accepts_as_tp1():
         assert engine.free_pages == 48
     finally:
         engine.close()
+
+
+def test_chunked_prefill_and_preemption_at_tp2_equal_tp1(tmp_path):
+    """Prompts in 5-token chunks, and a pool too small for every request at once (preemption, recompute)."""
+    from specpd.config import SchedulerConfig
+    save_tiny_model("qwen2", tmp_path)
+    want = [o.token_ids for o in engine_for(str(tmp_path), 1).generate(PROMPTS, GREEDY)]
+    engine = engine_for(str(tmp_path), 2, num_pages=12,
+                        scheduler=SchedulerConfig(max_num_batched_tokens=64, chunked_prefill_size=5))
+    preempted, preempt = [], engine.scheduler._preempt_newest
+
+    def counted(*args, **kwargs):
+        preempted.append(preempt(*args, **kwargs))
+        return preempted[-1]
+    engine.scheduler._preempt_newest = counted
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == want
+        assert any(preempted) and engine.free_pages == 12
+    finally:
+        engine.close()

@@ -11,20 +11,24 @@ decoder and of the KV pool; they run the target forwards rank 0 runs, in the sam
     heads, so a page id means the same tokens on every rank.
 A forward's inputs reach the workers over a pipe per worker (pickled ids, positions and attention metadata,
 no plan: each rank plans its own backend), and so do the KV slot moves of a verified tree path (`compact_kv`);
-the all-reduces go over gloo. A draft model (EAGLE, EAGLE-3, MTP) is not sharded: it runs whole on rank 0 in
-a KV pool of its own (all heads, rank 0's page ids), on the target's replicated embedding and LM head and on
-its full hidden states (every rank has the whole residual stream after each all-reduce), so its KV, top-k and
-hidden are TP 1's up to the all-reduce's rounding. A one-layer draft costs a few percent of the target: sharding
-it would add two all-reduces per draft step (as many as a target layer) to save little. A worker waits on its pipe, never in a
-collective, so an idle server has no collective to time out; a dead worker fails rank 0's next all-reduce
-with gloo's "connection reset" (RankFailed names the rank), a dead rank 0 closes the pipes and the workers
-exit.
+the all-reduces go over gloo (a bf16 / fp16 partial sum in fp32).
+A draft model (EAGLE, EAGLE-3, MTP) is not sharded: it runs whole on rank 0 on the target's replicated
+embedding and LM head and on the full hidden states (every rank has the whole residual stream after each
+all-reduce), in a KV pool of every head on rank 0, so its KV, top-k and hidden are TP 1's up to the all-reduce's
+rounding. A one-layer draft costs a few percent of the target; sharding it would add two all-reduces per draft
+step (as many as a target layer) to save little.
+PD: a prefill or decode server's rank 0 also keeps whole pages (every head, and the draft's layers where they
+share the target's pages: a TP 1 page), which the handoff moves as at TP 1, so P and D of any sizes pair with
+one descriptor per page. P gathers every forward's new K/V slots from the ranks into them (`gather_slots`), D
+scatters a committed handoff's pages to the ranks (`scatter_pages`).
+Failure: a worker waits on its pipe, never in a collective, so an idle server has no collective to time out; a
+dead worker fails rank 0's next send or collective (RankFailed names the rank) and the server stops
+(specpd/server/async_engine.py); a dead rank 0 closes the pipes and the workers exit.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import pickle
 
 import torch
@@ -32,8 +36,6 @@ import torch.distributed as dist
 from torch import multiprocessing as mp
 
 from specpd.config import EngineConfig, ModelConfig
-
-logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 

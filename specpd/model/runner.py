@@ -26,6 +26,29 @@ from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_pat
                                   sample)
 
 
+def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                  max_model_len: int, device: torch.device, dtype: torch.dtype, pack: bool = True,
+                  kv_extra_layers: int = 0) -> tuple[CausalLM, KVPool, object]:
+    """(decoder, its KV pool, its attention backend) from HF-named weights: the whole model, or one
+    tensor-parallel rank's shard (`model_config` and `weights` of its heads, specpd/model/tp.py)."""
+    with torch.device("meta"):
+        model = CausalLM(model_config, max_model_len)
+    model = model.to_empty(device=device)
+    model.load_weights(weights)
+    # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
+    quantize_model(model, config.quantization)
+    model = model.to(dtype=dtype).eval()
+    if device.type == "cpu" and pack:
+        model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)
+    # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
+    model.rotary = Rotary(model_config, max_model_len).to(device)
+    cache = config.cache
+    pool = KVPool.for_model(model_config, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
+                            num_pages=cache.num_pages, extra_layers=kv_extra_layers)
+    backend = get_backend_class(config.attention_backend)(pool, model_config.num_heads, model_config.head_dim)
+    return model, pool, backend
+
+
 @dataclass
 class SampledTokens:
     """What one batch item committed this step."""
@@ -62,24 +85,9 @@ class ModelRunner:
         if config.tp_size != 1:
             self._init_tensor_parallel(config, checkpoint, max_model_len, kv_extra_layers, pd_role)
             return
-        with torch.device("meta"):
-            model = CausalLM(self.model_config, max_model_len)
-        model = model.to_empty(device=self.device)
-        model.load_weights(checkpoint.weights)
-        # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
-        quantize_model(model, config.quantization)
-        model = model.to(dtype=self.dtype).eval()
-        if self.device.type == "cpu" and pack:
-            model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)
-        # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
-        model.rotary = Rotary(self.model_config, max_model_len).to(self.device)
-        self.model = model
-        cache = config.cache
-        self.kv_pool = KVPool.for_model(self.model_config, cache.page_size, self.dtype, self.device,
-                                        memory_mb=cache.kv_cache_memory_mb, num_pages=cache.num_pages,
-                                        extra_layers=kv_extra_layers)
-        mc = self.model_config
-        self.backend = get_backend_class(config.attention_backend)(self.kv_pool, mc.num_heads, mc.head_dim)
+        self.model, self.kv_pool, self.backend = build_decoder(
+            config, self.model_config, checkpoint.weights, max_model_len, self.device, self.dtype, pack=pack,
+            kv_extra_layers=kv_extra_layers)
         self.host_pool = self.kv_pool  # whole pages, where a draft's shared layers and a handoff live
         self._init_host_state(config)
 
@@ -94,7 +102,7 @@ class ModelRunner:
         tp.check_tp_size(self.model_config, config.tp_size)
         if config.quantization != "none":
             raise ValueError(f"tp_size {config.tp_size} with quantization {config.quantization!r} is not built")
-        self.num_threads = config.num_threads or max(1, default_threads() // config.tp_size)
+        self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)
         if pd_role is not None and config.cache.num_pages is None:  # whole pages as at TP 1, the same page count
             from dataclasses import replace
@@ -103,8 +111,8 @@ class ModelRunner:
                 1, (config.cache.kv_cache_memory_mb << 20) // page)))
         group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len)
         weights = tp.shard_weights(checkpoint.weights, self.model_config, config.tp_size, 0)
-        model, self.kv_pool, self.backend = tp.build_shard(config, checkpoint.hf_config, weights, max_model_len,
-                                                           self.device, self.dtype)
+        model, self.kv_pool, self.backend = build_decoder(config, tp.shard_config(self.model_config, config.tp_size),
+                                                          weights, max_model_len, self.device, self.dtype)
         tp.attach(model, group)
         self.model = self.tp = tp.TPModel(model, group, conns, procs)
         self.host_pool = self.kv_pool

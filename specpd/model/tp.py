@@ -210,7 +210,9 @@ class TPModel:
                 proc.kill()
 
 
-def _rank_threads(config: EngineConfig) -> int:
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads of each rank: --num-threads, else the process's default (specpd.machine) split between
+    the ranks."""
     from specpd.machine import default_threads
     return config.num_threads or max(1, default_threads() // config.tp_size)
 
@@ -242,38 +244,17 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
     return group, conns, procs
 
 
-def build_shard(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor], max_model_len: int,
-                device: torch.device, dtype: torch.dtype):
-    """(decoder shard, its KV pool, its attention backend): what every rank builds from its weights."""
-    from specpd.attention.base import get_backend_class
-    from specpd.kv.pool import KVPool
-    from specpd.model.llama import CausalLM, Rotary
-    cfg = shard_config(ModelConfig.from_hf(hf_config), config.tp_size)
-    with torch.device("meta"):
-        model = CausalLM(cfg, max_model_len)
-    model = model.to_empty(device=device)
-    model.load_weights(weights)
-    model = model.to(dtype=dtype).eval()
-    if device.type == "cpu":
-        model.pack_for_cpu()
-    model.rotary = Rotary(cfg, max_model_len).to(device)
-    cache = config.cache
-    pool = KVPool.for_model(cfg, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
-                            num_pages=cache.num_pages)
-    backend = get_backend_class(config.attention_backend)(pool, cfg.num_heads, cfg.head_dim)
-    return model, pool, backend
-
-
 def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: dict, weights: dict,
                  max_model_len: int, conn) -> None:
     from specpd.kernels.kv_compact import compact_pool
     from specpd.kv.pool import DTYPES
-    torch.set_num_threads(_rank_threads(config))
+    from specpd.model.runner import build_decoder
+    torch.set_num_threads(rank_threads(config))
     torch.manual_seed(config.seed)
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(store, rank, config.tp_size)
-    model, pool, backend = build_shard(config, hf_config, weights, max_model_len, torch.device(config.device),
-                                       DTYPES[config.dtype])
+    model, pool, backend = build_decoder(config, shard_config(ModelConfig.from_hf(hf_config), config.tp_size),
+                                         weights, max_model_len, torch.device(config.device), DTYPES[config.dtype])
     del weights
     attach(model, group)
     with torch.inference_mode():

@@ -19,6 +19,7 @@ from specpd.server.cluster import child_commands, choose_transfer_backend
 from specpd.server.launch import REPO, free_port, tail
 from tests.disagg.test_pd_e2e import MAX_TOKENS, PROMPTS, engine_args, expected, model_dir, tiny  # noqa: F401
 from tests.server.launcher import launch_server
+from tests.server.test_tp_server import tp_ranks
 
 HEARTBEAT_TIMEOUT_S = 3.0
 
@@ -118,8 +119,7 @@ def test_a_killed_tensor_parallel_rank_restarts_its_server_and_the_cluster_serve
         assert resp.status_code == 200 and tokens(resp) == expected[1], resp.text
         d_info, p_pid = httpx.get(d_url + "/server_info").json(), httpx.get(p_url + "/server_info").json()["pid"]
         assert d_info["runtime"]["tp_size"] == 2
-        out = subprocess.run(["pgrep", "-P", str(d_info["pid"])], capture_output=True, text=True).stdout.split()
-        [rank] = [int(p) for p in out if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        [rank] = tp_ranks(d_info["pid"])
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
         while True:

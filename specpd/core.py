@@ -9,6 +9,10 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+# structured-output constraint kinds (specpd.grammar.constraint, which re-exports them as KINDS): defined here,
+# the lowest layer, so SamplingParams.validate checks a kind without importing the grammar package
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
 
 class InvalidRequest(ValueError):
     """A client error. `field` names the offending request field (server -> HTTP 400)."""
@@ -36,7 +40,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token + top-k
     skip_special_tokens: bool = True
-    # structured output (specpd.grammar): kind in specpd.grammar.KINDS, spec the text it compiles from
+    # structured output (specpd.grammar): kind in CONSTRAINT_KINDS, spec the text it compiles from
     constraint_kind: str | None = None
     constraint_spec: str = ""
 
@@ -74,9 +78,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "must be non-negative integers")
         if self.constraint_kind is not None:
-            from specpd.grammar.constraint import KINDS
-            if self.constraint_kind not in KINDS or not isinstance(self.constraint_spec, str):
-                raise InvalidRequest("constraint_kind", f"must be one of {', '.join(KINDS)}, got "
+            if self.constraint_kind not in CONSTRAINT_KINDS or not isinstance(self.constraint_spec, str):
+                raise InvalidRequest("constraint_kind", f"must be one of {', '.join(CONSTRAINT_KINDS)}, got "
                                                       f"{self.constraint_kind!r}")
             if self.ignore_eos:
                 raise InvalidRequest("ignore_eos", "cannot be combined with a structured-output constraint: "

@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from specpd.core import InvalidRequest
+from specpd.core import CONSTRAINT_KINDS, InvalidRequest
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = CONSTRAINT_KINDS  # defined in specpd.core, which validates SamplingParams.constraint_kind against it
 
 # vLLM structured_outputs keys that tune a backend rather than constrain: accepted and ignored
 _VLLM_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",

@@ -12,35 +12,52 @@ never waits on the engine, so a long prefill batch or decode step never makes a 
   dropped (`lost`): a P process that exited closes it at once, so D asks P's bootstrap server again before
   it trusts that route, however soon a restarted P is back (a frozen P keeps its connection).
 The engine threads (prefill.py, decode.py) talk to these through ControlThread's inbox and commands
-(worker.py).
+(worker.py); the control threads know those workers only by what they read of them (`PrefillSide`,
+`DecodeSide`), so this module imports neither.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 from zmq.utils import monitor as zmq_monitor
 
-from specpd.disagg.messages import (ConfigMismatch, DecodeRegister, Heartbeat, KVDestination, TransferFailed,
-                                    check_compatible, encode)
+from specpd.disagg.messages import (ConfigMismatch, DecodeRegister, Heartbeat, KVDestination, PeerConfig,
+                                    TransferFailed, check_compatible, encode)
 from specpd.disagg.worker import CONTROL_TICK_S, ControlThread
-
-if TYPE_CHECKING:
-    from specpd.disagg.decode import DecodeWorker
-    from specpd.disagg.prefill import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0  # D -> P while P owes D rooms (at least 4 per heartbeat timeout); P answers each
 
 
+class PrefillSide(Protocol):
+    """What PrefillControl reads of P's engine-thread worker (prefill.PrefillWorker), from its own thread."""
+
+    ctx: zmq.Context
+    engine_failed: bool
+    step_started: float | None
+    inflight: dict
+    peer_config: PeerConfig
+
+    def rooms_queued(self) -> int: ...
+
+
+class DecodeSide(Protocol):
+    """What DecodeControl reads of D's engine-thread worker (decode.DecodeWorker) when it is built."""
+
+    ctx: zmq.Context
+    name: str
+    heartbeat_timeout_s: float
+
+
 class PrefillControl(ControlThread):
     """P's control thread: the ROUTER socket D's DEALERs talk to (module docstring)."""
 
-    def __init__(self, worker: "PrefillWorker", host: str, advertise_host: str):
+    def __init__(self, worker: PrefillSide, host: str, advertise_host: str):
         super().__init__(worker.ctx, "specpd-prefill-control")
         self.worker = worker
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -107,7 +124,7 @@ class DecodeControl(ControlThread):
     """D's control thread: one DEALER per P (created on the first message to it), the heartbeats, and the
     time every message from a P arrived (`heard`), on a clock no engine step stalls."""
 
-    def __init__(self, worker: "DecodeWorker"):
+    def __init__(self, worker: DecodeSide):
         super().__init__(worker.ctx, "specpd-decode-control")
         self.name = worker.name
         self.interval_s = min(HEARTBEAT_INTERVAL_S, worker.heartbeat_timeout_s / 4)

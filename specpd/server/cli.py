@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
 import sys
 import time
 import types
@@ -28,6 +27,7 @@ import typing
 from typing import Any
 
 from specpd.config import SPEC_ALGORITHMS, EngineConfig
+from specpd.server.ready import ready_message
 
 logger = logging.getLogger("specpd")
 
@@ -201,15 +201,6 @@ async def _serve(server, host: str, port: int, model_name: str, role: str = "uni
         print(ready_message(host, port, model_name) if role == "unified"
               else f"specpd {role} ready on http://{host}:{port}", flush=True)
     await task
-
-
-def ready_message(host: str, port: int, model_name: str) -> str:
-    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": 32})
-    return (f"specpd ready: serving {model_name} on http://{client_host}:{port}\n"
-            f"curl http://{client_host}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(body)}")
 
 
 # -- generate --------------------------------------------------------------------------------

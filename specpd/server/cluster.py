@@ -46,6 +46,7 @@ import urllib.error
 import urllib.request
 
 from specpd.machine import split_cores, usable_cores
+from specpd.server.ready import ready_message
 
 STARTUP_TIMEOUT_S = 900.0  # the first start downloads nothing but may load and quantize a model
 HEALTH_INTERVAL_S = 2.0  # between health checks of a child that is up
@@ -272,7 +273,6 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
             if router.proc is None and all(c.up for c in servers):
                 router.start()
             if not ready and router.up:
-                from specpd.server.cli import ready_message
                 model = args.argv[args.argv.index("--model") + 1] if "--model" in args.argv else "default"
                 print(f"specpd PD cluster ({args.disagg}, transfer backend {transfer_backend}): prefill "
                       f"{[_url(c) for c in prefill]} decode {[_url(c) for c in decode]}", flush=True)

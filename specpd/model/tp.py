@@ -248,7 +248,7 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
                  max_model_len: int, conn) -> None:
     from specpd.kernels.kv_compact import compact_pool
     from specpd.kv.pool import DTYPES
-    from specpd.model.runner import build_decoder
+    from specpd.model.decoder import build_decoder
     torch.set_num_threads(rank_threads(config))
     torch.manual_seed(config.seed)
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)

@@ -1,0 +1,37 @@
+"""The decoder a runner holds: the model, its KV pool and its attention backend, built from HF-named weights.
+
+One builder for TP 1 (runner.ModelRunner) and for every tensor-parallel rank (rank 0 in the runner, ranks 1..N-1
+in tp._worker_main), so both import it from here rather than from each other.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpd.attention.base import get_backend_class
+from specpd.config import EngineConfig, ModelConfig
+from specpd.kv.pool import KVPool
+from specpd.model.llama import CausalLM, Rotary
+from specpd.model.quant import quantize_model
+
+
+def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                  max_model_len: int, device: torch.device, dtype: torch.dtype, pack: bool = True,
+                  kv_extra_layers: int = 0) -> tuple[CausalLM, KVPool, object]:
+    """(decoder, its KV pool, its attention backend) from HF-named weights: the whole model, or one
+    tensor-parallel rank's shard (`model_config` and `weights` of its heads, specpd/model/tp.py)."""
+    with torch.device("meta"):
+        model = CausalLM(model_config, max_model_len)
+    model = model.to_empty(device=device)
+    model.load_weights(weights)
+    # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
+    quantize_model(model, config.quantization)
+    model = model.to(dtype=dtype).eval()
+    if device.type == "cpu" and pack:
+        model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)
+    # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
+    model.rotary = Rotary(model_config, max_model_len).to(device)
+    cache = config.cache
+    pool = KVPool.for_model(model_config, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
+                            num_pages=cache.num_pages, extra_layers=kv_extra_layers)
+    backend = get_backend_class(config.attention_backend)(pool, model_config.num_heads, model_config.head_dim)
+    return model, pool, backend

@@ -12,22 +12,10 @@ A request's life on P, keyed by its `bootstrap_room`:
      cached prefix or that D prefills itself, which P learns only then).
   2b. parked: a room prefilled before its destination came holds its pages here until it comes (then 3), or
      until `bootstrap_timeout_s` after its request (then it fails and the pages return).
-  2c. streaming (chunked prefill, D's destination known; on by default, `--no-pd-stream-chunks`): after each
-     engine step that computed a chunk but not the last, the room's newly completed full pages after D's
-     cached prefix are submitted to the transfer backend while the next chunk computes. A page is final
-     once the target and, draft-on-both, the draft extend covered its last position (`draft_kv_len`; the
-     draft KV of a chunk's last position uses the next prompt token, known then). The first such write
-     pins the request (`Scheduler.pin`: every page of its prompt now, never preempted), so nothing frees
-     or moves its pages under a write. Draft-on-decode-only, the chunk's target features go to D with it
-     (`TargetFeatures`), and D runs its draft extend over them while P computes the next chunk.
-  3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
-     draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
-     target features, captured by the engine, which then loads no draft, those not streamed yet) goes
-     to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (one
-     descriptor per page into D's destination pages; draft-on-both: the draft pool's pages too). Record
-     first: serializing it holds the GIL the writer thread needs. Draft-on-decode-only with streaming, the
-     last chunk's features go ahead of the record as a `TargetFeatures` (all but the last position, whose
-     draft input is y0), so D's draft extend over them overlaps the last write; the record carries one row.
+  2c. streaming (chunked prefill, D's destination known; on by default, `--no-pd-stream-chunks`): each
+     chunk's newly completed full pages (and, draft-on-decode-only, its target features) go to D while the
+     next chunk computes (prefill_send.py).
+  3. send: the `HandoffRecord` goes to D, then the pages not streamed yet are submitted (prefill_send.py).
   4. inflight queue: the room's transfer handles are polled every step; when all are done P sends
      `TransferDone` (or, if any failed, `TransferFailed`: no write of the room is in flight then), then
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
@@ -46,55 +34,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
-import torch
-
-from specpd.core import InvalidRequest, RequestOutput, RequestStatus, SamplingParams
+from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapServer, Route
 from specpd.disagg.control import PrefillControl
-from specpd.disagg.messages import (Abort, AbortAck, DecodeRegister, HandoffRecord, KVDestination, TargetFeatures,
-                                    TransferDone, TransferFailed, encode)
-from specpd.disagg.timeline import between, describe
+from specpd.disagg.messages import (Abort, AbortAck, DecodeRegister, KVDestination, TransferDone, TransferFailed)
+from specpd.disagg.prefill_send import PrefillRoom, PrefillSender
 from specpd.disagg.transfer import TransferStatus
-from specpd.disagg.worker import BootstrapInfo, DisaggWorker
-from specpd.kv.allocator import pages_needed
+from specpd.disagg.worker import DisaggWorker
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Room:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    info: BootstrapInfo
-    identity: bytes | None = None  # D's DEALER, once registered
-    destination: KVDestination | None = None
-    handles: list = dataclasses.field(default_factory=list)  # TransferHandles: streamed chunks, then the rest
-    streamed: int = 0  # pages after D's cached prefix submitted while the prompt was still prefilling
-    features_sent: int = 0  # decode-only: target features of positions below this went to D with their chunk
-    error: str | None = None  # a write failed or was refused: the room fails once none is in flight
-    added_at: float = 0.0  # monotonic time the request entered the bootstrap queue
-    marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
-    chunks: list = dataclasses.field(default_factory=list)  # (start, end) of each prefill chunk's engine step
-    computed: int = 0  # prompt tokens with KV as of the last engine step (a new chunk when it grows)
-    page_size: int = 0  # P's page size
-
-    @property
-    def num_pages(self) -> int:
-        """Pages the room's prompt takes on P (what an optimistic room holds before D's destination)."""
-        return pages_needed(len(self.prompt_token_ids), self.page_size) if self.page_size else 0
-
-
-# (stage, start mark, end mark): timeline.py's P stages
-_P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued", "destination"),
-             ("p_queue", "admitted", "prefill_start"), ("p_prefill", "prefill_start", "prefill_end"),
-             ("p_record", "prefill_end", "record"), ("p_kv_submit", "record", "kv_submitted"),
-             ("p_kv_write", "kv_submitted", "kv_done"), ("p_total", "received", "kv_done")]
-
-
-class PrefillWorker(DisaggWorker):
+class PrefillWorker(PrefillSender, DisaggWorker):
     role = "prefill"
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", bootstrap_port: int = 8998,
@@ -109,10 +61,10 @@ class PrefillWorker(DisaggWorker):
         self.kv_stats = {"kv_transfers": 0, "kv_bytes": 0, "kv_transfer_s": 0.0, "kv_descriptors": 0, "kv_calls": 0,
                          "prefills_skipped": 0,  # rooms D prefilled itself (its prefix cache held the rest)
                          "kv_streamed_pages": 0}  # pages of completed handoffs written before the last chunk
-        self.bootstrap_queue: dict[int, _Room] = {}
-        self.prefilling: dict[str, _Room] = {}  # request id -> room in the engine
-        self.parked: dict[int, _Room] = {}  # prefilled before D's destination came: holding their pages
-        self.inflight: dict[int, _Room] = {}
+        self.bootstrap_queue: dict[int, PrefillRoom] = {}
+        self.prefilling: dict[str, PrefillRoom] = {}  # request id -> room in the engine
+        self.parked: dict[int, PrefillRoom] = {}  # prefilled before D's destination came: holding their pages
+        self.inflight: dict[int, PrefillRoom] = {}
         self.control = PrefillControl(self, host, self.advertise_host)
         self.endpoint = self.control.endpoint
         self.control.start()
@@ -129,7 +81,7 @@ class PrefillWorker(DisaggWorker):
         if self._room_in_use(info.room):
             raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this prefill server")
         now = time.monotonic()
-        self.bootstrap_queue[info.room] = _Room(request_id, list(prompt_token_ids), params, info, added_at=now,
+        self.bootstrap_queue[info.room] = PrefillRoom(request_id, list(prompt_token_ids), params, info, added_at=now,
                                                 marks={"received": received_at, "queued": now},
                                                 page_size=self.peer_config.page_size)
 
@@ -159,7 +111,7 @@ class PrefillWorker(DisaggWorker):
                 self._unpark(room_id, forget=True)
                 self._final(request_id, len(r.prompt_token_ids), "abort")
 
-    def _unpark(self, room_id: int, forget: bool = False) -> _Room:
+    def _unpark(self, room_id: int, forget: bool = False) -> PrefillRoom:
         room = self.parked.pop(room_id)
         self.engine.release_handoff(room.request_id)
         self._drop_room_state(room_id, forget=forget)
@@ -213,68 +165,6 @@ class PrefillWorker(DisaggWorker):
         self._destinations.pop(room, None)
         if forget and registered is not None:
             self.control.command(b"forget", str(room).encode())
-
-    def _note_chunks(self) -> None:
-        """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py); one still
-        prefilling streams that chunk's pages."""
-        start, end = self.last_step
-        for rid, room in self.prefilling.items():
-            running = self.engine.scheduler.find(rid)
-            req = running or self.engine.take_handoff(rid)
-            computed = req.num_computed_tokens if req is not None else 0
-            if computed > room.computed:
-                room.chunks.append((start, end))
-                if running is not None and running.status is RequestStatus.RUNNING and self.stream_chunks:
-                    self._stream(room, running)
-                    self._stream_features(room, running)
-            room.computed = computed
-
-    def _stream(self, room: _Room, req) -> None:
-        """Submit the full pages a prefilling room completed since its last write (module docstring, 2c)."""
-        dest = room.destination
-        if dest is None or dest.prefill_locally or self._stream_failed(room):
-            return
-        ps = self.peer_config.page_size
-        valid = req.num_computed_tokens if req.draft_kv_len is None else min(req.num_computed_tokens,
-                                                                             req.draft_kv_len)
-        first = dest.cached_tokens // ps
-        end = min(valid // ps - first, len(dest.dst_page_ids))  # in D's destination pages
-        if end <= room.streamed or not (req.kv_pinned or self.engine.scheduler.pin(req)):
-            return  # nothing new, or the pool cannot hold the whole prompt now: it all goes with the last chunk
-        if self._submit(room, req.pages[first + room.streamed:first + end], dest.dst_page_ids[room.streamed:end]):
-            room.streamed = end
-
-    def _stream_features(self, room: _Room, req, end: int | None = None) -> None:
-        """Draft-on-decode-only: the target features of the chunk just computed (up to `end`, default all that
-        is computed) go to D now (module docstring, 2c), so D's draft extend over them overlaps P's next chunk,
-        or for the last chunk its pages' write, instead of waiting for the record."""
-        dest = room.destination
-        if self.peer_config.draft_mode != "decode_only" or dest is None or dest.prefill_locally \
-                or self._stream_failed(room) or not req.handoff_hidden:
-            return
-        start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens if end is None else end
-        if end > start:
-            hidden = _features_from(req.handoff_hidden, start)[:end - start]
-            self.control.send(room.identity, TargetFeatures(room.info.room, start, hidden))
-            room.features_sent = end
-
-    def _stream_failed(self, room: _Room) -> bool:
-        """Did a write of the room fail (or was refused)? Then nothing more is sent and the room fails once its
-        other writes are done."""
-        if room.error is None:
-            failed = next((h for h in room.handles if h.poll() is TransferStatus.FAILED), None)
-            if failed is not None:
-                room.error = f"KV transfer failed: {failed.wait().error}"
-        return room.error is not None
-
-    def _submit(self, room: _Room, src: list[int], dst: list[int]) -> bool:
-        dest = room.destination
-        try:
-            room.handles.append(self.backend.submit(dest.transfer_session, src, dst, dest.pools))
-        except ValueError as e:  # D drops what it got on the TransferFailed that follows
-            room.error = f"KV transfer refused: {e}"
-            return False
-        return True
 
     def on_engine_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         self._note_chunks()
@@ -355,19 +245,19 @@ class PrefillWorker(DisaggWorker):
             else:
                 self._fail(room, room.error or f"KV transfer failed: {failed.error}", notify_decode=True)
 
-    def _attach(self, room: _Room) -> None:
+    def _attach(self, room: PrefillRoom) -> None:
         """D's DecodeRegister and KVDestination for the room came: the room knows where its KV goes."""
         room.identity = self._registered.pop(room.info.room)[0]
         room.destination = self._destinations.pop(room.info.room)
         room.marks["destination"] = time.monotonic()
 
-    def _skip(self, room: _Room) -> None:
+    def _skip(self, room: PrefillRoom) -> None:
         """D prefills this room itself (its prefix cache held nearly all of it): answer the request at once."""
         self.control.command(b"forget", str(room.info.room).encode())
         self.kv_stats["prefills_skipped"] += 1
         self._final(room.request_id, len(room.prompt_token_ids), "handoff")
 
-    def _hand_off(self, room: _Room) -> None:
+    def _hand_off(self, room: PrefillRoom) -> None:
         """A prefilled room whose destination is known: send it (or drop it if D prefills it itself)."""
         if room.destination.prefill_locally:  # learned after an optimistic prefill: the compute was spent
             self.engine.release_handoff(room.request_id)
@@ -375,67 +265,7 @@ class PrefillWorker(DisaggWorker):
             return
         self._send(room)
 
-    def _send(self, room: _Room) -> None:
-        """The last chunk is computed: the record, then every page not streamed yet; the room goes in flight."""
-        req = self.engine.take_handoff(room.request_id)
-        dest = room.destination
-        first = dest.cached_tokens // self.peer_config.page_size  # D's prefix cache holds the pages before
-        if self._stream_failed(room):  # it fails once the writes already submitted are done
-            self.inflight[room.info.room] = room
-            return
-        src = req.pages[first + room.streamed:first + len(dest.dst_page_ids)]
-        lp = req.output_logprobs[0] if req.output_logprobs else None
-        top = {}
-        if lp is not None and lp.top:
-            top = {"top_logprob_ids": torch.tensor([t for t, _ in lp.top], dtype=torch.int64),
-                   "top_logprobs": torch.tensor([v for _, v in lp.top], dtype=torch.float32)}
-        if self.stream_chunks:
-            # decode-only: the last chunk's features but the last position's (its draft input is y0, in the
-            # record) go now, ahead of its pages: D extends the draft over them while the last write is in flight
-            self._stream_features(room, req, end=req.num_prompt_tokens - 1)
-        record = HandoffRecord(room=room.info.room, request_id=room.request_id, prompt_len=req.num_prompt_tokens,
-                               handoff_token=req.output_token_ids[0],
-                               handoff_logprob=lp.logprob if lp is not None else None,
-                               sampling_params=room.params, sampler_state=req.sampler_state, **top,
-                               **self._draft_fields(req, max(dest.cached_tokens, room.features_sent))).validate()
-        # the record (tensors to serialize: up to the prompt's target hiddens) goes first, so this thread
-        # is not holding the GIL for it while the writer thread needs it around its transfer call
-        frames = encode(record)
-        # marked before the record leaves (not after: the control thread may deliver it while this thread
-        # waits for the GIL), so D's wait for it contains P's prefill + record on any clock (timeline.py)
-        room.marks["record"] = time.monotonic()
-        self.control.send_encoded(room.identity, frames)
-        if src:
-            self._submit(room, src, dest.dst_page_ids[room.streamed:])
-        room.marks["kv_submitted"] = time.monotonic()
-        self.inflight[room.info.room] = room
-
-    def _observe(self, room: _Room) -> None:
-        """A handed-off room's stage durations: into `stages` (/metrics) and P's debug log."""
-        room.marks["kv_done"] = time.monotonic()
-        if room.chunks:
-            room.marks["prefill_start"], room.marks["prefill_end"] = room.chunks[0][0], room.chunks[-1][1]
-        durations = between(room.marks, _P_STAGES)
-        if room.marks["destination"] > room.marks.get("prefill_end", room.marks["destination"]):
-            durations["p_parked"] = room.marks["destination"] - room.marks["prefill_end"]  # optimistic, D late
-        durations["p_prefill_chunk"] = [end - start for start, end in room.chunks]
-        self.stages.observe(durations)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("room %d %s (%d tokens, %d chunks): %s", room.info.room, room.request_id,
-                         len(room.prompt_token_ids), len(room.chunks), describe(durations))
-
-    def _draft_fields(self, req, cached_tokens: int = 0) -> dict:
-        if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features
-            return {"draft_mode": "decode_only", "target_hidden": _features_from(req.handoff_hidden, cached_tokens),
-                    "hidden_start": cached_tokens}
-        if self.peer_config.draft_mode != "both":
-            return {}
-        state = req.spec_state  # DraftState from the draft extend over the prompt
-        return {"draft_mode": "both", "draft_topk_ids": torch.tensor(state.topk_ids, dtype=torch.int64),
-                "draft_topk_probs": torch.tensor(state.topk_probs, dtype=torch.float32),
-                "draft_hidden": state.hidden}
-
-    def _fail(self, room: _Room, reason: str, notify_decode: bool) -> None:
+    def _fail(self, room: PrefillRoom, reason: str, notify_decode: bool) -> None:
         logger.warning("room %d: %s", room.info.room, reason)
         if notify_decode and room.identity is not None:
             self.control.send(room.identity, TransferFailed(room.info.room, reason), end_room=room.info.room)
@@ -444,18 +274,3 @@ class PrefillWorker(DisaggWorker):
     def close(self) -> None:
         self.bootstrap.close()
         super().close()
-
-
-def _features_from(parts: list[torch.Tensor], start: int) -> torch.Tensor:
-    """The prompt's target features (one tensor per prefill chunk, from position 0) from `start` on,
-    concatenating only the chunks that hold them: what each streamed chunk and the record send is the tail."""
-    end = sum(p.shape[0] for p in parts)
-    tail = []
-    for part in reversed(parts):
-        if end <= start:
-            break
-        tail.append(part[max(0, start - (end - part.shape[0])):])
-        end -= part.shape[0]
-    if not tail:
-        return parts[0][:0]
-    return tail[0] if len(tail) == 1 else torch.cat(tail[::-1])  # one chunk: a view, sent without a copy

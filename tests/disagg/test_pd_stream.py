@@ -129,7 +129,7 @@ def test_features_from_equals_the_whole_concatenation_sliced():
     hold them: the same tensor as concatenating every chunk and slicing, at every start (chunk edges included)."""
     import torch
 
-    from specpd.disagg.prefill import _features_from
+    from specpd.disagg.prefill_send import _features_from
     parts = [torch.randn(n, 3) for n in (5, 1, 4, 6)]
     full = torch.cat(parts)
     for start in range(len(full) + 1):

@@ -8,18 +8,14 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
   1. `CostModel` (spec_cost.py): seconds of one target forward by (requests, rows) and of one draft
      forward by rows, measured at startup (spec_calibration.calibrate); online, every decode round's
      timing scales the table (`CostModel.scale`), so a verify row keeps its measured share of a round.
-  2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
-     the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
-     own rate one level up (scaled by the engine-wide trend between the levels).
+  2. Per request, conditional acceptance a_d with exponential forgetting, shrunk towards engine-wide rates
+     (`AcceptanceEstimates`, spec_accept.py).
   3. `plan` picks each request's depth by marginal value: with lam the batch's current tokens per
      second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
      times; the plan is kept only if it beats everyone at depth 0. Each depth comes in two widths: the
      full tree (topk wide) and narrow, the draft's best k + 1 nodes (k verify rows): at batch 3 a K=4
      tree's 4 rows a request at depth 1 cross the CPU kernel's 6 -> 8-row step, where the top path's one
-     row does not. A narrow round's acceptance is read off every verify's accepted path (the leading
-     nodes that were their parent's top-ranked child); its prior is the request's full-width rate times
-     the top path's share of it, learned engine-wide from the same full-width rounds (paired: an
-     engine-wide narrow rate would be learned on the requests that chose narrow, the ones accepting most).
+     row does not. A narrow round's acceptance has its own estimates (spec_accept.py).
   4. A request at depth 0 re-probes depth 1 after `probe_every` rounds (doubling while probes fail),
      so a draft that became useful is noticed (with a draft state, EAGLE-family, a shadow probe: the
      request stays at depth 0, its draft catches up, and the probe's outcome is whether the token the
@@ -65,30 +61,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specpd.engine.spec_accept import GLOBAL_RATE, AcceptanceEstimates
 from specpd.engine.spec_cost import CostModel
 
-PRIOR_ACCEPT = 0.5  # engine-wide conditional acceptance before any round is seen
-PRIOR_TOP_PATH = 0.75  # the top path's share of a full tree's conditional acceptance, before any pair is seen
-PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
-DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
-GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
-PROBE_MIN, PROBE_MAX = 8, 128
 PROBE_BUDGET = 0.005  # share of the modelled round time probes may spend (not frozen)
 PROBE_CREDIT_ROUNDS = 64  # the budget saves up at most this many rounds' worth
 IDLE_PRICE_DRIFT = 0.02  # the idle shortcut stands while the online prices moved less than this (relative)
-
-
-@dataclass
-class RequestStats:
-    accepted: list[float]  # [S] decayed rounds whose proposal at depth d + 1 was accepted
-    attempted: list[float]  # [S] decayed rounds that reached depth d + 1 with a proposal there
-    # the same for the narrow shape (a K-wide tree cut to depth + 1 nodes: the draft's top path), read off
-    # every verify: a round at full width counts the leading accepted nodes that were their parent's top child
-    chain_accepted: list[float] = field(default_factory=list)
-    chain_attempted: list[float] = field(default_factory=list)
-    idle_rounds: int = 0  # consecutive rounds at depth 0
-    probe_every: int = PROBE_MIN
-    probing: bool = False
 
 
 @dataclass
@@ -107,12 +85,11 @@ class PlanStats:
         self.proposed_hist[proposed] = self.proposed_hist.get(proposed, 0) + 1
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(AcceptanceEstimates):
     def __init__(self, num_steps: int, topk: int, num_draft_tokens: int, cost: CostModel, frozen: bool = False,
                  shadow: bool = False, catch_up_settled: bool = False):
-        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        super().__init__(num_steps, topk, num_draft_tokens, frozen)
         self.cost = cost
-        self.frozen = frozen
         # the engine runs every deferred extend when its request finishes (module docstring, 4b)
         self.catch_up_settled = catch_up_settled
         # shadow probes (a drafter with a draft state, EAGLE-family): a probing request stays at depth 0 and
@@ -121,18 +98,7 @@ class AdaptivePolicy:
         # CPU kernel's 8-row block: +10% of the step)
         self.shadow = shadow
         self.shadow_probes: list[str] = []  # the last plan's shadow-probing requests
-        self.global_accept = [PRIOR_ACCEPT] * num_steps
-        # the narrow shape's prior: how often the top path reaches depth d + 1 when the full tree does, read off
-        # the same full-width rounds (paired, so which requests speculate biases neither side); a request's narrow
-        # estimate starts from its own full-width estimate scaled by it (the engine-wide narrow rate would be
-        # learned on the requests that chose narrow: the ones accepting most)
-        self.top_reach = [PRIOR_TOP_PATH ** (d + 1) for d in range(num_steps)]  # EMA: top path reached d + 1
-        self.tree_reach = [1.0] * num_steps  # EMA: the tree reached d + 1 (same rounds)
-        # a narrow round (budget depth + 1) is an option only where the full tree is wider than a chain
-        self.narrow_ok = topk > 1 and num_draft_tokens > 2
-        self._narrow: dict[str, bool] = {}  # request id -> its last plan was narrow
         self.stats = PlanStats()
-        self._stats: dict[str, RequestStats] = {}
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
         self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
         # the last plan's (depth-0 round seconds, seconds speculating adds before CostModel.spec_scale), priced;
@@ -142,7 +108,6 @@ class AdaptivePolicy:
         # the idle shortcut: a plan that put every request at depth 0 by the search's first pass, and what it
         # was made from (`plan`)
         self._idle: tuple | None = None
-        self._observed = 0  # verify / probe outcomes seen (every one may change an estimate)
 
     # -- shape of a round -------------------------------------------------------------------
     def rows(self, k: int) -> int:
@@ -159,53 +124,6 @@ class AdaptivePolicy:
     def frontier(self, level: int) -> int:
         """Draft rows one request runs at draft step `level` (>= 1)."""
         return 1 if self.topk == 1 else self.topk
-
-    # -- estimates --------------------------------------------------------------------------
-    def _get(self, request_id: str) -> RequestStats:
-        st = self._stats.get(request_id)
-        if st is None:
-            z = [0.0] * self.num_steps
-            st = self._stats[request_id] = RequestStats(list(z), list(z), list(z), list(z))
-        return st
-
-    def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
-        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate; a deeper depth's is
-        this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
-        request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
-        tried yet, and one that fails early is not. narrow: the top path's, whose prior at each depth is
-        the request's full-width rate times the top path's share of it (`top_path_share`)."""
-        st = self._get(request_id)
-        if narrow:
-            share = self.top_path_share()
-            priors = [min(1.0, a * s) for a, s in zip(self.accept_rates(request_id), share)]
-            return [(acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT)
-                    for acc, att, prior in zip(st.chain_accepted, st.chain_attempted, priors)]
-        g = self.global_accept
-        rates, prior = [], g[0]
-        for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
-            if d > 0:
-                prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
-            rates.append((acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT))
-        return rates
-
-    def top_path_share(self) -> list[float]:
-        """[S]: the top path's conditional acceptance at depth d + 1 over the full tree's, engine-wide, from
-        paired full-width rounds (a ratio of reach rates, so each level's is its reach ratio over the one above)."""
-        out, above = [], 1.0
-        for top, tree in zip(self.top_reach, self.tree_reach):
-            reach = min(above, top / max(tree, 1e-6))
-            out.append(reach / max(above, 1e-6))
-            above = reach
-        return out
-
-    @staticmethod
-    def expected_tokens(rates: list[float]) -> list[float]:
-        """[S + 1]: expected tokens committed by a round at depth k = 0..S (bonus included)."""
-        out, reach = [1.0], 1.0
-        for a in rates:
-            reach *= a
-            out.append(out[-1] + reach)
-        return out
 
     # -- the plan ---------------------------------------------------------------------------
     def plan(self, request_ids: list[str], other_requests: int = 0, other_rows: int = 0,
@@ -409,43 +327,6 @@ class AdaptivePolicy:
             plain = base + (self.cost.off_overhead or 0.0) * requests
         self.cost.observe_spec_extra(seconds - plain, predicted)
         self.last_extra = None
-
-    def observe(self, request_id: str, proposed_depth: int, num_accepted: int, top_path: int | None = None,
-                shadow: bool = False) -> None:
-        """One verify round: the tree reached `proposed_depth`, `num_accepted` proposals were kept, the first
-        `top_path` of them each its parent's top-ranked child (what a narrow round would have kept). shadow: a
-        shadow probe (its outcome is the draft's top-1 against the committed token, no tree)."""
-        st = self._get(request_id)
-        if proposed_depth <= 0:
-            if st.probing:  # the drafter had nothing to offer (an n-gram without a match): probe again next round
-                self._observed += 1  # (not the plan the idle shortcut kept)
-                st.idle_rounds = st.probe_every
-            return
-        self._observed += 1
-        if st.probing:
-            st.probe_every = PROBE_MIN if num_accepted > 0 else min(2 * st.probe_every, PROBE_MAX)
-        if self._narrow.get(request_id, False):  # a narrow round: its outcome is the narrow shape's only
-            self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, num_accepted)
-            return
-        self._count(st.accepted, st.attempted, self.global_accept, proposed_depth, num_accepted)
-        if top_path is not None and self.narrow_ok:
-            self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, top_path)
-            if not self.frozen and not shadow:  # a shadow probe tested its top-1 only: not a pair
-                for d in range(proposed_depth):
-                    self.top_reach[d] += GLOBAL_RATE * (float(top_path > d) - self.top_reach[d])
-                    self.tree_reach[d] += GLOBAL_RATE * (float(num_accepted > d) - self.tree_reach[d])
-
-    def _count(self, accepted: list[float], attempted: list[float], engine_wide: list[float] | None, depth: int,
-               num_accepted: int) -> None:
-        for d in range(self.num_steps):
-            accepted[d] *= DECAY
-            attempted[d] *= DECAY
-        for d in range(min(num_accepted + 1, depth)):
-            attempted[d] += 1.0
-            hit = d < num_accepted
-            accepted[d] += float(hit)
-            if engine_wide is not None and not self.frozen:
-                engine_wide[d] += GLOBAL_RATE * (float(hit) - engine_wide[d])
 
     def release(self, request_id: str) -> None:
         self._stats.pop(request_id, None)

@@ -2,8 +2,9 @@
 test_spec_policy_engine.py)."""
 import pytest
 
+from specpd.engine.spec_accept import PROBE_MIN
 from specpd.engine.spec_cost import CostModel
-from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_MIN, AdaptivePolicy
+from specpd.engine.spec_policy import PROBE_BUDGET, AdaptivePolicy
 
 MS = 1e-3
 

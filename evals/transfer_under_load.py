@@ -9,7 +9,7 @@ sender process that keeps the GIL busy (as an engine thread does between torch o
 Same page size (737,280 B: 16 SmolLM2 tokens, 30 layers, fp32), one descriptor per page, one call per
 request-sized batch; median and best MB/s over the calls after 5 warm-up calls.
 
-  python evals/transfer_under_load.py          # -> evals/results/pd_transfer_under_load.json
+  python evals/transfer_under_load.py          # -> evals/results/transfer_under_load.json
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def main() -> int:
     for r in rows:
         log(f"{r['pages']:3d} pages/call  {r['load']:16}  median {r['mb_per_s_median']:7.0f} MB/s  "
             f"best {r['mb_per_s_best']:7.0f} MB/s")
-    write_json(os.path.join(EVALS_DIR, "results", "pd_transfer_under_load.json"),
+    write_json(os.path.join(EVALS_DIR, "results", "transfer_under_load.json"),
                {"description": __doc__.split("\n\n")[0], "page_bytes": PAGE_BYTES, "results": rows,
                 "machine": machine_info(), "versions": versions()})
     return 0

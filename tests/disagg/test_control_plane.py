@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from specpd.disagg.messages import Heartbeat, recv_message, send_message
-from tests.disagg.test_handoff import GREEDY, PROMPTS, make_engine, make_workers
+from tests.disagg.handoff_helpers import GREEDY, PROMPTS, make_engine, make_workers
 from tests.model.hf_models import save_tiny_model
 
 HEARTBEAT_TIMEOUT_S = 1.0

@@ -155,7 +155,7 @@ def test_y0_leaves_d_before_the_forward_that_decodes_it(dirs, spec):
     that commits a room returns its y0 alone, and no forward of D has scheduled the request yet (y0 used to
     leave with the outputs of the forward that decodes it). Causal, so no box is too slow or too fast for it."""
     from specpd.disagg.worker import BootstrapInfo
-    from tests.disagg.test_handoff import make_workers
+    from tests.disagg.handoff_helpers import make_workers
     model_dir, draft_dir = dirs
     cfg = SpecConfig("eagle3", draft_model=draft_dir, spec_num_steps=3, draft_mode="decode-only",
                      spec_adaptive_pinned=True) if spec else None

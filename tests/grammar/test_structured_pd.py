@@ -10,7 +10,7 @@ from specpd.config import CacheConfig, EngineConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.disagg.messages import ConfigMismatch, check_compatible
 from specpd.engine.llm_engine import LLMEngine
-from tests.disagg.test_handoff import run_pd
+from tests.disagg.handoff_helpers import run_pd
 
 SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
          "required": ["ok", "n"]}

@@ -62,6 +62,9 @@ class PeerConfig:
     # (a TP server gathers and scatters its ranks' heads on rank 0, specpd/model/tp.py), so P and D of any TP
     # sizes pair; a server with another wire layout is refused naming both
     kv_layout: str = KV_LAYOUT
+    # draft-on-both: P drafts D's first round (its top-k over the prompt), so both must draft the same tree
+    # shape, "num_steps,topk,num_draft_tokens" as each resolved it ("" in the other modes: D alone drafts)
+    draft_shape: str = ""
 
 
 class ConfigMismatch(ValueError):

@@ -209,9 +209,11 @@ def page_pools(engine) -> list:
 def peer_config(engine, transfer_backend: str) -> PeerConfig:
     from specpd.grammar import backend_id
     cfg = engine.config
-    return PeerConfig(model=cfg.model, draft_model=cfg.spec.draft_model, page_size=cfg.cache.page_size,
-                      dtype=cfg.dtype, spec_algorithm=cfg.spec.speculative_algorithm, draft_mode=draft_mode(cfg),
-                      transfer_backend=transfer_backend, grammar_backend=backend_id())
+    mode, spec = draft_mode(cfg), cfg.spec
+    return PeerConfig(model=cfg.model, draft_model=spec.draft_model, page_size=cfg.cache.page_size,
+                      dtype=cfg.dtype, spec_algorithm=spec.speculative_algorithm, draft_mode=mode,
+                      transfer_backend=transfer_backend, grammar_backend=backend_id(),
+                      draft_shape=f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}" if mode == "both" else "")
 
 
 class DisaggWorker:

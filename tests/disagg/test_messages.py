@@ -149,7 +149,8 @@ def test_malformed_frames_raise_message_error():
 @pytest.mark.parametrize("name,value", [("model", "llama-7b"), ("draft_model", None), ("page_size", 32),
                                         ("dtype", "float32"), ("spec_algorithm", "eagle"), ("draft_mode", "both"),
                                         ("transfer_backend", "mooncake"),
-                                        ("kv_layout", "page[layer][k|v][kv_head][slot][dim], all heads")])
+                                        ("kv_layout", "page[layer][k|v][kv_head][slot][dim], all heads"),
+                                        ("draft_shape", "3,4,8")])
 def test_check_compatible_names_both_values(name, value):
     check_compatible(CFG, CFG)
     other = dataclasses.replace(CFG, **{name: value})
@@ -183,3 +184,24 @@ def test_heartbeat_reply_says_busy_or_idle():
     assert Heartbeat("tcp://p", 1).load == "idle"
     busy = decode(encode(Heartbeat("tcp://p", 2, rooms_queued=8, rooms_inflight=1, step_s=10.3)))
     assert busy.load == "busy with 8 rooms queued, 1 in flight, 10.3 s into an engine step"
+
+
+def test_draft_on_both_pairs_only_the_same_tree_shape():
+    """P drafts D's first round in draft-on-both mode: a P and D that resolve different tree shapes (an explicit
+    --spec-topk on one, the hybrid's default on the other) are refused naming both; decode-only pairs them (D
+    alone drafts)."""
+    from types import SimpleNamespace
+
+    from specpd.config import EngineConfig, SpecConfig
+    from specpd.disagg.worker import peer_config
+
+    def side(mode, **spec):
+        cfg = EngineConfig(spec=SpecConfig(speculative_algorithm="eagle3", draft_model="default", draft_mode=mode,
+                                           **spec))
+        return peer_config(SimpleNamespace(config=cfg), "tcp")
+
+    check_compatible(side("both"), side("both"))
+    assert side("both").draft_shape == "3,2,6"  # the hybrid's default shape
+    with pytest.raises(ConfigMismatch, match=r"draft_shape: prefill='3,2,6' decode='3,4,8'"):
+        check_compatible(side("both"), side("both", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))
+    check_compatible(side("decode-only"), side("decode-only", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))

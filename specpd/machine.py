@@ -17,6 +17,11 @@ import os
 import shutil
 
 
+def cache_root() -> str:
+    """Where specpd keeps what it downloads, converts or compiles: $SPECPD_CACHE, else ~/.cache/specpd."""
+    return os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
+
+
 def default_threads() -> int:
     """Torch threads for a process not told (--num-threads): OMP_NUM_THREADS if it is a positive number (two
     processes sharing a box, e.g. two test workers, each set it to 1: with every core each they oversubscribe

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
-from specpd.kernels.cpu_attention import Prepared, _rope_ref, paged_attention
+from specpd.attention.reference import rope_ref
+from specpd.kernels.cpu_attention import Prepared, paged_attention
 
 # a prompt chunk this large (half precision, no tree) attends through torch's SDPA: below ~400 x 400 its fixed
 # costs (RoPE on q in torch, the page gather, the mask) lose to the kernel (a 300-token prompt 92 vs 96 ms a
@@ -127,7 +128,7 @@ class CpuAttentionBackend(AttentionBackend):
                                          q_pos=pos[idx])
         k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
         for c in plan.long:  # every row's K (RoPE'd) is in the pool now, this chunk's own included
-            q = _rope_ref(qkv[c.start:c.end, :hq], pos[c.start:c.end], rope.cos, rope.signed_sin).to(qkv.dtype)
+            q = rope_ref(qkv[c.start:c.end, :hq], pos[c.start:c.end], rope.cos, rope.signed_sin).to(qkv.dtype)
             k = k_cache.index_select(0, c.pages).flatten(0, 1)[:c.kv_len]  # [kv_len, Hkv, D]
             v = v_cache.index_select(0, c.pages).flatten(0, 1)[:c.kv_len]
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -46,3 +46,29 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 Neox RoPE of x [T, H, D] at positions pos [T] (sin sign-folded, as Rotary keeps it)."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[pos].unsqueeze(1) + swapped * sin[pos].unsqueeze(1)
+
+
+def fused_attention_ref(q, q_pos, k, v, w_pos, w_slots, cos, sin, layer_buffer, layer, qo_indptr, kv_lens, page_table,
+                        tree_mask, tree_indptr, num_q_heads, sm_scale):
+    """The torch reference of specpd.kernels.cpu_attention.paged_attention (same arguments, same result up to fp32 rounding)."""
+    buf = layer_buffer
+    page_size = buf.shape[3]
+    if k is not None:
+        kr = rope_ref(k, w_pos, cos, sin) if cos is not None else k.float()
+        pages, offsets = w_slots // page_size, w_slots % page_size
+        buf[pages, layer, 0, offsets] = kr.to(buf.dtype)
+        buf[pages, layer, 1, offsets] = v.to(buf.dtype)
+    if q is None:
+        return None
+    qr = rope_ref(q, q_pos, cos, sin) if cos is not None else q.float()
+    out = paged_attention_ref(qr, buf[:, layer, 0], buf[:, layer, 1], qo_indptr, kv_lens, page_table, sm_scale,
+                              tree_mask, tree_indptr)
+    return out.to(buf.dtype).reshape(q.shape[0], -1)

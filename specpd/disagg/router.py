@@ -1,7 +1,7 @@
 """The PD router: one OpenAI endpoint in front of a prefill server (P) and a decode server (D). No torch.
 
 A request's life in the router:
-  0. Admission (specpd/server/admission.py): --api-key on /v1/* (401), --max-request-bytes (413), before the
+  0. Admission (specpd/admission.py): --api-key on /v1/* (401), --max-request-bytes (413), before the
      body is parsed. P and D are not asked for a key: they listen on loopback behind this router.
   1. Pick a prefill and a decode server (`--prefill URL[,URL...] --decode URL[,URL...]`) by prefix affinity
      (specpd/disagg/affinity.py: the same leading text goes to the same P and D, the least-loaded one when
@@ -41,7 +41,7 @@ from specpd.disagg.affinity import AffinityPicker, prefix_key
 from specpd.disagg.spec_report import decode_spec_metrics, decode_spec_summary
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from specpd.disagg.timeline import StageCollector, StageStats
-from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
+from specpd.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
 
 _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
 _WILDCARDS = ("0.0.0.0", "::", "")  # bind-everything addresses: not where a peer can reach a server

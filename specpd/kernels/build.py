@@ -20,7 +20,7 @@ import tempfile
 
 import torch  # before any kernel loads: the kernels share torch's libgomp (its OpenMP pool)
 
-from specpd.machine import cpu_flags
+from specpd.machine import cache_root, cpu_flags
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 
@@ -36,7 +36,6 @@ def flags() -> tuple[str, ...]:
 
 
 def cache_dir() -> str:
-    from specpd.model.default import cache_root
     return os.path.join(cache_root(), "kernels")
 
 

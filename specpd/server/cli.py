@@ -166,7 +166,7 @@ def serve(args: argparse.Namespace) -> int:
         if not args.prefill or not args.decode:
             print("specpd serve --role router needs --prefill URL and --decode URL", file=sys.stderr)
             return 2
-        from specpd.server.admission import warn_if_open
+        from specpd.admission import warn_if_open
         warn_if_open(args.host, args.api_key, "the router")
         app = create_router_app(args.prefill, args.decode, args.bootstrap_port,
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
@@ -218,7 +218,7 @@ def serve(args: argparse.Namespace) -> int:
     # loaded, calibrated and stepped on one thread: the engine's torch ops never leave it (EngineThread)
     engine_thread = EngineThread(args.engine_priority)
     engine = engine_thread.run(build)
-    from specpd.server.admission import warn_if_open
+    from specpd.admission import warn_if_open
     api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
     warn_if_open(args.host, api_key, f"the {args.role} server")
     app = create_app(engine, role=args.role, engine_priority=args.engine_priority, engine_thread=engine_thread,

@@ -25,11 +25,6 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def error_body(message: str, param: str | None, code: int,
-               err_type: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
 def usage(out: RequestOutput, speculative: bool = False) -> dict[str, Any]:
     """speculative: the server speculates, so the acceptance fields are always there (0 verifies, tau null, for a
     request the adaptive policy served in plain steps only: a client measuring tau sees that, not nothing)."""

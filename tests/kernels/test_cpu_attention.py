@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specpd.attention.metadata import AttentionMetadata
-from specpd.kernels.cpu_attention import attention_ref, available, paged_attention
+from specpd.attention.reference import fused_attention_ref as attention_ref
+from specpd.kernels.cpu_attention import available, paged_attention
 from specpd.kv.pool import KVPool
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the cpu attention kernel cannot be built")

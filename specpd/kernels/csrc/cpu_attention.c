@@ -1,6 +1,6 @@
 /* Paged attention for CPU: one call per layer writes the step's new K/V into the paged pool (RoPE applied to
    K) and attends every query row (RoPE applied to Q) over its sequence's pages, with a causal or a tree mask.
-   See specpd/kernels/cpu_attention.py for the contract; the torch reference is attention_ref there.
+   See specpd/kernels/cpu_attention.py for the contract; the torch reference is specpd.attention.reference.fused_attention_ref.
 
    Per work item (sequence b, kv head h, a block of up to RB query rows): the block's G = Hq / Hkv query
    heads share every K/V load (GQA). Keys come in chunks of CH positions at absolute offsets 0, CH, 2 CH ...,

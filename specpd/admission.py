@@ -16,11 +16,16 @@ import hmac
 import ipaddress
 import json
 import logging
-from typing import Callable
-
-from specpd.server.responses import error_body
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
+
+
+def error_body(message: str, param: str | None, code: int,
+               err_type: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object, as every refusal of the server, the router and this middleware carries it."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 API_KEY_ENV = "SPECPD_API_KEY"

@@ -131,7 +131,7 @@ class SpecConfig:
     # n-gram drafting (specpd/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
     # tree (hybrid); contexts of min..max match tokens; a store of recent outputs shared across requests
     # bounded to spec_ngram_store_tokens tokens (0: off). spec_ngram None (the default): hybrid for an
-    # EAGLE-family algorithm, the best configuration measured (README "Speculation that pays"); False:
+    # EAGLE-family algorithm, the best configuration measured (docs/results.md, spec_workloads.json); False:
     # the draft model alone
     spec_ngram: bool | None = None
     spec_ngram_min_match: int = 2

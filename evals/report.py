@@ -22,8 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "evals", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
 BENCH_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
-NOT_BENCHMARKS = {"common.py", "peers.py", "peers_report.py", "peers_llamacpp.py", "report.py", "spec_workloads.py",
-                  "__init__.py"}  # helpers of the benchmarks, and this
+NOT_BENCHMARKS = {"peers_llamacpp.py", "report.py"}  # run by bench_peers in the peer's venv; this
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- results:begin (python -m evals.report) -->", "<!-- results:end -->"
 
@@ -42,7 +41,8 @@ def _find(data, keys: tuple[str, ...]):
 
 def _git_date(commit: str | None, path: str) -> str:
     """The date of the commit measured, else of the last commit that wrote the file."""
-    for args in ((["show", "-s", "--format=%cs", commit]) if commit else None, ["log", "-1", "--format=%cs", "--", path]):
+    tries = (["show", "-s", "--format=%cs", commit] if commit else None, ["log", "-1", "--format=%cs", "--", path])
+    for args in tries:
         out = args and subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         if out and out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip()
@@ -214,8 +214,9 @@ def profile_step(d: dict) -> str:
 
 def soak(d: dict) -> str:
     s = d["summary"]
+    kinds = ", ".join(f"{k} {v}" for k, v in s["by_kind"].items())
     return (f"{s['sent']} requests over {d['args']['minutes']:.0f} min: {s['completed']} completed, "
-            f"{s['expected_refusals']} refused as they should be ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())}), "
+            f"{s['expected_refusals']} refused as they should be ({kinds}), "
             f"**{s['failed']} failed, {s['lost']} lost**; TTFT p50 {_f(s['ttft_s']['p50'])} s, short prompts "
             f"{_f(s['ttft_s_short']['p50'])} s.")
 
@@ -238,6 +239,7 @@ class Result:
     script: str
     what: str
     summary: Callable[[dict], str] | None = None
+    command: str | None = None  # how the file was made, where it does not record that itself
 
 
 RESULTS = [
@@ -250,7 +252,8 @@ RESULTS = [
     Result("spec_workloads.json", "bench_spec.py", "speculation over plain in the engine, engines in lockstep "
            "(`evals/bench_spec.py --workloads --lockstep`)", spec_workloads),
     Result("spec.json", "bench_spec.py", "the verify path's ceiling: replayed drafts with known acceptance"),
-    Result("spec_trained.json", "spec_trained.py", "the shipped head's speed in the engine, fixed depth"),
+    Result("spec_trained.json", "bench_spec.py", "the shipped head's speed in the engine, fixed depth",
+           command="python evals/bench_spec.py --draft-model default"),
     Result("spec_tuning.json", "tune_spec_defaults.py", "tree shapes tried for the defaults (AVX-512/AMX box)"),
     Result("spec_tuning_avx2.json", "tune_spec_defaults.py", "tree shapes tried for the defaults (AVX2 box)"),
     Result("acceptance.json", "acceptance.py", "τ of the shipped EAGLE-3 head, held-out ShareGPT and HumanEval",
@@ -292,6 +295,7 @@ def section(r: Result) -> str:
     with open(path) as f:
         data = json.load(f)
     p = provenance(data, path)
+    p["command"] = p["command"] or r.command
     plot = r.file.replace(".json", ".png")
     lines = [f"## {r.file}", "", f"{r.what}. Written by `evals/{r.script}`.", "",
              f"- command: `{p['command']}`" if p["command"] else f"- command: `python evals/{r.script}`",
@@ -323,15 +327,17 @@ def render_benchmarks() -> str:
              "come from `make peers`; on a GPU, `bash evals/gpu_check.sh OUT` runs the device tests and "
              "`evals/bench_gpu.py`. Current numbers: [results.md](results.md).", ""]
     for script in sorted(f for f in os.listdir(os.path.join(ROOT, "evals")) if f.endswith(".py")):
-        if script in NOT_BENCHMARKS:
-            continue
         with open(os.path.join(ROOT, "evals", script)) as f:
-            doc = ast.get_docstring(ast.parse(f.read())) or ""
+            source = f.read()
+        if script in NOT_BENCHMARKS or '__name__ == "__main__"' not in source:
+            continue  # a module the benchmarks share
+        doc = ast.get_docstring(ast.parse(source)) or ""
         what = " ".join(doc.split("\n\n")[0].split())
         lines += [f"## evals/{script}", "", what, ""]
         for r in (r for r in RESULTS if r.script == script):
             with open(os.path.join(RESULTS_DIR, r.file)) as f:
                 p = provenance(json.load(f), os.path.join(RESULTS_DIR, r.file))
+            p["command"] = p["command"] or r.command
             lines.append(f"- [`evals/results/{r.file}`](results.md#{r.file.replace('.', '')}): {r.what}; "
                          f"`{p['command'] or 'python evals/' + script}`")
         lines.append("")

@@ -13,9 +13,9 @@ time is the forward's cost whatever else the box runs; wall time is not. The two
 start together on a 2-core box (each loading, then calibrating), and other work may share the cores: on a
 loaded box, six decode servers' wall-clock tables read one row at 72 to 221 ms and their shapes differed start
 to start (one flat from 1 to 16 rows: verify rows for free), where thread CPU time read 46-51 ms and the same
-shape in every start (docs/speculative-decoding.md, issue 31). The table's level is the online scale's to correct (spec_cost.py);
-its shape is what a decision reads. With several threads a forward's work is spread over threads this one
-cannot see, so wall time it is (a busy box then still bends the table).
+shape in every start (docs/speculative-decoding.md, issue 31). The table's level is the online scale's to
+correct (spec_cost.py); its shape is what a decision reads. With several threads a forward's work is spread
+over threads this one cannot see, so wall time it is (a busy box then still bends the table).
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json
+from spec_runs import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
 
 from specpd.config import SpecConfig
 from specpd.draft.loader import read_draft_config, resolve_draft_path
@@ -20,7 +21,6 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def run_trained(args) -> None:
-    from bench_spec import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
     torch.set_num_threads(args.threads)
     machine, code_versions = machine_info(), versions()
     t_start = time.perf_counter()

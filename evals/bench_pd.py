@@ -36,8 +36,6 @@ own server's clock, per workload: mean over the workload's requests, p50 / p99 o
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import random
@@ -48,180 +46,14 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_prompt_sets, log, machine_info, median, percentile, real_text_prompts,  # noqa: E402
+from common import (held_out_prompt_sets, log, machine_info, median, real_text_prompts,  # noqa: E402
                     transfer_backend, versions, write_json)
+from pd_client import kv_delta, log_breakdown, run_workload, stage_breakdown, stage_snapshot, summarize  # noqa: E402
+from pd_servers import add_cluster_args, cluster_configs, launcher_cluster, pd_cluster, unified_cluster  # noqa: E402
 
 import httpx  # noqa: E402
 
-from specpd.server.launch import free_port, serve_processes  # noqa: E402
-
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
-
-
-# -- servers -----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def launch(commands: list[tuple[list[str], str | None]], timeout_s: float = 600):
-    """Start `specpd serve` processes ((args, cpu list for taskset) each); yield their URLs once healthy."""
-    with serve_processes([["--log-level", "warning", *args] for args, _ in commands], timeout_s,
-                         cpus=[cpus for _, cpus in commands], env={"MC_LOG_LEVEL": "ERROR"}) as procs:
-        yield [base for _, base, _ in procs]
-
-
-def unified_cluster(engine_args: list[str], serve_defaults: bool = False):
-    if serve_defaults:  # what the user types: the server takes the cores it may use
-        return launch([(["--role", "unified", *engine_args], None)])
-    return launch([(["--role", "unified", "--num-threads", "2", *engine_args], None)])
-
-
-@contextlib.contextmanager
-def launcher_cluster(engine_args: list[str]):
-    """`specpd serve --disagg 1p1d ENGINE_ARGS`, as `make serve` starts it: yields (router, P, D) URLs."""
-    p_port, d_port, boot = free_port(), free_port(), free_port()
-    with launch([(["--disagg", "1p1d", "--host", "127.0.0.1", "--prefill-port", str(p_port), "--decode-port",
-                   str(d_port), "--bootstrap-port", str(boot), *engine_args], None)]) as (router,):
-        yield router, f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-
-
-@contextlib.contextmanager
-def pd_cluster(engine_args: list[str], backend: str, p_tp: int = 1, d_tp: int = 1):
-    """P on core 0, D on core 1 (a TP server's ranks share its core: a correctness run, e.g. descriptors)."""
-    boot = free_port()
-    common = ["--transfer-backend", backend, "--num-threads", "1", *engine_args]
-    with launch([(["--role", "prefill", "--bootstrap-port", str(boot), "--tp-size", str(p_tp), *common], "0"),
-                 (["--role", "decode", "--tp-size", str(d_tp), *common], "1")]) as (p, d):
-        with launch([(["--role", "router", "--prefill", p, "--decode", d, "--bootstrap-port", str(boot)], None)]) \
-                as (router,):
-            yield router, p, d
-
-
-def add_cluster_args(ap: argparse.ArgumentParser) -> None:
-    """The flags cluster_configs reads (this benchmark's and bench_pd_interleaved.py's)."""
-    ap.add_argument("--draft-model", default="default")
-    ap.add_argument("--algorithm", default="eagle3")
-    ap.add_argument("--spec-steps", type=int, default=None, help="default: the algorithm's default shape")
-    ap.add_argument("--spec-extra", default="",
-                    help="more spec flags for the spec configs, e.g. --spec-extra=--no-spec-ngram")
-    ap.add_argument("--backend", default="mooncake", choices=("mooncake", "tcp"))
-    ap.add_argument("--engine-priority", choices=("normal", "low"), default="low",
-                    help="every server's --engine-priority (low: transfer and HTTP threads preempt the engine)")
-    ap.add_argument("--prefill-tp", type=int, default=1, help="P's --tp-size (PD configs)")
-    ap.add_argument("--decode-tp", type=int, default=1, help="D's --tp-size (PD configs)")
-    ap.add_argument("--serve-defaults", action="store_true",
-                    help="exactly `make serve`'s command per config (the --disagg launcher, the model and spec flags "
-                         "only): no pinning, threads, priority or page settings of this benchmark's own")
-
-
-def cluster_configs(args) -> dict[str, tuple[str, list[str]]]:
-    """config name -> (unified | pd, every server's engine arguments)."""
-    if getattr(args, "serve_defaults", False):  # the Makefile's SPEC_ARGS, and nothing of this benchmark's
-        spec = ["--speculative-algorithm", "eagle3", "--draft-model", "default"]
-        return {"unified": ("unified", ["--model", "default"]), "unified_spec": ("unified", ["--model", "default", *spec]),
-                "pd": ("pd", ["--model", "default"]),
-                "pd_spec_both": ("pd", ["--model", "default", *spec, "--draft-mode", "both"]),
-                "pd_spec_decode_only": ("pd", ["--model", "default", *spec, "--draft-mode", "decode-only"])}
-    base = ["--model", "default", "--page-size", "16", "--kv-cache-memory-mb", "1024",
-            "--engine-priority", args.engine_priority]
-    spec = ["--speculative-algorithm", args.algorithm, "--draft-model", args.draft_model] + \
-        (["--spec-num-steps", str(args.spec_steps)] if args.spec_steps else []) + \
-        args.spec_extra.split()  # none: the defaults
-    return {"unified": ("unified", base), "unified_spec": ("unified", base + spec),
-            "pd": ("pd", base), "pd_spec_both": ("pd", base + spec + ["--draft-mode", "both"]),
-            "pd_spec_decode_only": ("pd", base + spec + ["--draft-mode", "decode-only"]),
-            # the effect of --engine-priority, side by side (the flag's last value wins)
-            "pd_normal_priority": ("pd", base + ["--engine-priority", "normal"])}
-
-
-# -- client ------------------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
-    await asyncio.sleep(delay)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 0,
-            "return_tokens_as_token_ids": True}
-    t0 = time.perf_counter()
-    first = last = None
-    tokens: list[int] = []
-    usage = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return {"error": f"{resp.status_code}: {(await resp.aread())[:300]!r}"}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return {"error": str(chunk["error"])}
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                got = (choice.get("logprobs") or {}).get("tokens") or []
-                if got:
-                    now = time.perf_counter()
-                    first = first if first is not None else now
-                    last = now
-                    tokens += [int(t.removeprefix("token_id:")) for t in got]
-    n = len(tokens)
-    return {"prompt_tokens": len(prompt), "ttft_s": first - t0, "tpot_s": (last - first) / (n - 1) if n > 1 else None,
-            "e2e_s": last - t0, "tokens": tokens, "usage": usage}
-
-
-def stage_snapshot(urls: list[str]) -> dict:
-    """The TTFT breakdown (specpd/disagg/timeline.py) of the router, P and D: {stage: {count, sum_s, p50_ms, ...}}."""
-    merged = {}
-    for url in urls:
-        merged.update(httpx.get(url + "/server_info").json().get("pd_stages") or {})
-    return merged
-
-
-def stage_breakdown(before: dict, after: dict) -> dict:
-    """Per stage over one workload: mean from the count and sum deltas (exact for the workload), p50 / p99 from
-    each server's recent window as of `after` (the workloads before it included)."""
-    out = {}
-    for stage, a in after.items():
-        b = before.get(stage, {"count": 0, "sum_s": 0.0})
-        n = a["count"] - b["count"]
-        if n > 0:
-            out[stage] = {"count": n, "mean_ms": round(1000 * (a["sum_s"] - b["sum_s"]) / n, 3),
-                          "p50_ms_window": a["p50_ms"], "p99_ms_window": a["p99_ms"]}
-    return out
-
-
-def log_breakdown(title: str, breakdown: dict) -> None:
-    log(f"   TTFT breakdown, {title} (each stage on its own server's clock; mean / p50 / p99 ms, count):")
-    for stage, v in breakdown.items():
-        log(f"     {stage:22s} {v['mean_ms']:9.2f} {v['p50_ms_window']:9.2f} {v['p99_ms_window']:9.2f}  {v['count']}")
-
-
-def run_workload(url: str, prompts: list[list[int]], delays: list[float], max_tokens: int) -> list[dict]:
-    async def main():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
-            return await asyncio.gather(*(one_request(client, url, p, max_tokens, d) for p, d in zip(prompts, delays)))
-    return asyncio.run(main())
-
-
-def summarize(rows: list[dict], which: list[int] | None = None) -> dict:
-    picked = [rows[i] for i in (which if which is not None else range(len(rows)))]
-    errors = [r["error"] for r in picked if "error" in r]
-    ok = [r for r in picked if "error" not in r]
-    ttft, tpot = [r["ttft_s"] for r in ok], [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
-    out = {"requests": len(picked), "errors": errors[:3], "num_errors": len(errors),
-           "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-           "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
-    verify = sum((r["usage"] or {}).get("spec_verify_count") or 0 for r in ok)
-    if verify:
-        committed = sum(((r["usage"] or {}).get("spec_accept_length") or 0) * ((r["usage"] or {}).get("spec_verify_count") or 0)
-                        for r in ok)
-        out["tau"] = committed / verify
-        out["spec_verify_count"] = verify
-    return out
-
-
-def kv_delta(before: dict, after: dict) -> dict:
-    keys = ("kv_transfers", "kv_bytes", "kv_transfer_s", "kv_descriptors", "kv_calls")
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
-    d["mb_per_s"] = d["kv_bytes"] / d["kv_transfer_s"] / 1e6 if d["kv_transfer_s"] else None
-    d["descriptors_per_request"] = d["kv_descriptors"] / d["kv_transfers"] if d["kv_transfers"] else None
-    d["bytes_per_request"] = d["kv_bytes"] / d["kv_transfers"] if d["kv_transfers"] else None
-    return d
 
 
 # -- raw Mooncake ------------------------------------------------------------------------------------

@@ -30,12 +30,14 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from bench_pd import RESULTS_DIR, add_cluster_args, cluster_configs, pd_cluster, run_workload, summarize  # noqa: E402
 from common import (held_out_prompt_sets, log, machine_info, median, transfer_backend, versions,  # noqa: E402
                     write_json)
+from pd_client import run_workload, summarize  # noqa: E402
+from pd_servers import add_cluster_args, cluster_configs, pd_cluster  # noqa: E402
 
 import httpx  # noqa: E402
 
+RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 POLICY_KEYS = ("spec_rounds", "spec_rounds_off", "spec_rounds_narrow", "spec_draft_tokens_hist", "spec_policy")
 
 

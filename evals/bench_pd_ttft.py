@@ -36,9 +36,9 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from bench_pd import kv_delta, one_request, stage_breakdown  # noqa: E402
 from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
                     transfer_backend, versions, write_json)
+from pd_client import kv_delta, one_request, stage_breakdown  # noqa: E402
 
 import httpx  # noqa: E402
 

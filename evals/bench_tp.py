@@ -89,8 +89,8 @@ def prefill_ms(engine: LLMEngine, prompt: list[int]) -> float:
 def descriptors(pairs: list[tuple[int, int]], prompts: list[list[int]]) -> list[dict]:
     """Per P:D TP pair: P's transfer counters after one greedy request per prompt through the router."""
     import httpx
-    from bench_pd import pd_cluster
     from common import transfer_backend
+    from pd_servers import pd_cluster
     backend = transfer_backend("mooncake")
     args = ["--model", "default", "--page-size", "16", "--speculative-algorithm", "eagle3", "--draft-model",
             "default", "--draft-mode", "both", "--disable-prefix-caching"]  # every request sends all its pages

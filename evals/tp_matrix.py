@@ -20,7 +20,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import log, machine_info, versions, write_json  # noqa: E402
-from bench_pd import launch  # noqa: E402
+from pd_servers import launch  # noqa: E402
 
 from specpd.server.launch import free_port  # noqa: E402
 

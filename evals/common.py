@@ -7,6 +7,7 @@ mid-record (125 MB of the original), so it is read record by record, never with 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -106,6 +107,20 @@ def write_json(path: str, data: dict) -> None:
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def keep_logs(paths: dict[str, str], tail_chars: int = 3000, header: str = "---- {name} log tail:\n"):
+    """On a failure inside the block, each server's log tail on stderr (`header` with its name, then the last
+    `tail_chars` characters of the log at paths[name]), then the exception goes on: serve_processes deletes
+    the logs once its block exits."""
+    try:
+        yield
+    except BaseException:
+        for name, path in paths.items():
+            with open(path) as f:
+                log(header.format(name=name) + f.read()[-tail_chars:])
+        raise
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:

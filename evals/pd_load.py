@@ -38,7 +38,8 @@ import time
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 sys.path[:0] = [EVALS_DIR, REPO]
-from common import held_out_sharegpt_prompts, log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
+from common import (held_out_sharegpt_prompts, keep_logs, log, machine_info, real_text_prompts, versions,  # noqa: E402
+                    write_json)
 
 import httpx  # noqa: E402
 
@@ -164,17 +165,6 @@ def wait_pages_back(urls: list[str], timeout_s: float = 120) -> dict:
         time.sleep(0.5)
 
 
-@contextlib.contextmanager
-def keep_log(path: str):
-    """The cluster's log tail on stderr if the run fails (serve_processes deletes the log)."""
-    try:
-        yield
-    except BaseException:
-        with open(path) as f:
-            log("cluster log tail:\n" + f.read()[-6000:])
-        raise
-
-
 def workload(tokenizer, size: int, long_len: int) -> tuple[list[list[int]], str]:
     n_long = size // 4
     short = held_out_sharegpt_prompts(tokenizer, size - n_long)
@@ -208,7 +198,8 @@ def main() -> int:
                "versions": versions(), "cases": []}
     serve_args = args.serve_args.split()
     t_start = time.monotonic()
-    with cluster(serve_args) as (router, p_url, d_url, boot, log_path), keep_log(log_path):
+    with cluster(serve_args) as (router, p_url, d_url, boot, log_path), \
+            keep_logs({"cluster": log_path}, 6000, "{name} log tail:\n"):
         log(f"cluster up in {time.monotonic() - t_start:.0f} s: router {router} P {p_url} D {d_url}")
         results["transfer_backend"] = info(p_url).get("transfer_backend")
         totals = {u: info(u)["total_pages"] for u in (p_url, d_url)}

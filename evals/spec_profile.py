@@ -16,7 +16,8 @@ import torch
 from common import median
 from spec_runs import SPEC_STEPS, Bench
 
-import specpd.engine.spec_runner as spec_runner_module
+import specpd.engine.spec_verify as spec_verify_module
+import specpd.kernels.kv_compact as kv_compact_module
 from specpd.config import ModelConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
@@ -75,8 +76,8 @@ def instrument(engine: LLMEngine) -> Timers:
     tm.wrap(sr, "execute", "runner.execute")
     tm.wrap(sr.proposer, "propose", "proposer.propose")
     tm.wrap(sr.proposer, "extend", "proposer.extend")
-    tm.wrap(spec_runner_module, "verify_greedy", "verify_greedy")
-    tm.wrap(spec_runner_module, "compact_kv_ref", "kv compaction")
+    tm.wrap(spec_verify_module, "verify_greedy", "verify_greedy")  # the names the engine calls them by
+    tm.wrap(kv_compact_module, "compact_kv_ref", "kv compaction")  # the CPU path of ModelRunner.compact_kv
     draft = getattr(sr.proposer, "draft", None)
     if draft is not None:
         tm.wrap(draft, "forward", "draft forward (fc + 1 layer)")

@@ -96,8 +96,8 @@ def default_attention_backend(device: str = "cpu") -> str:
 def split_cores(cores: int, num_prefill: int, num_decode: int) -> tuple[list[int], list[int]]:
     """Torch threads for each prefill and each decode server of a cluster sharing `cores`: an even share each,
     at least one; cores left over go to the decode servers first (decode latency is what a user waits on
-    token by token). Each server's transfer and HTTP threads share its cores (docs/disaggregation.md, --engine-priority), so
-    no server is given more threads than its share."""
+    token by token). Each server's transfer and HTTP threads share its cores (docs/disaggregation.md,
+    --engine-priority), so no server is given more threads than its share."""
     servers = num_prefill + num_decode
     if cores <= servers:
         return [1] * num_prefill, [1] * num_decode

@@ -40,6 +40,20 @@ def bad_bodies(prompt: list[int], vocab: int) -> list[tuple[str, str, bytes | di
     ]
 
 
+async def expect_status(rec: dict, request, status: int, what: str) -> None:
+    """Await `request` (a client call): `status` is the expected refusal; any other answer, or a transport error,
+    is a failure, named after `what`."""
+    try:
+        resp = await request
+    except httpx.HTTPError as e:
+        rec.update(outcome="failed", reason=f"{what}: transport {e!r}"[:160])
+        return
+    if resp.status_code == status:
+        rec.update(outcome="expected", reason=str(status))
+    else:
+        rec.update(outcome="failed", reason=f"{what} answered {err_head(resp.text, resp.status_code)}")
+
+
 class Load:
     def __init__(self, args, router: str, short: list, long: list, vocab: int, t0: float):
         self.args, self.router, self.short, self.long, self.vocab, self.t0 = args, router, short, long, vocab, t0
@@ -83,29 +97,14 @@ class Load:
             rec["case"] = name
             kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
                 else {"json": body}
-            try:
-                resp = await client.post(url + path, **kw)
-            except httpx.HTTPError as e:
-                rec.update(outcome="failed", reason=f"bad input '{name}': transport {e!r}"[:160])
-                return
-            if resp.status_code == 400:
-                rec.update(outcome="expected", reason="400")
-            else:
-                rec.update(outcome="failed", reason=f"bad input '{name}' answered {err_head(resp.text, resp.status_code)}")
+            await expect_status(rec, client.post(url + path, **kw), 400, f"bad input '{name}'")
             return
         if kind == "oversize":
             n = int(self.args.max_request_bytes * 1.25)
             data = b'{"max_tokens": 4, "prompt": "' + b"a" * n + b'"}'
-            try:
-                resp = await client.post(url + "/v1/completions", content=data,
-                                         headers={"content-type": "application/json"})
-            except httpx.HTTPError as e:  # a server may close the socket after its 413 while we still send
-                rec.update(outcome="failed", reason=f"oversize: transport {e!r}"[:160])
-                return
-            if resp.status_code == 413:
-                rec.update(outcome="expected", reason="413")
-            else:
-                rec.update(outcome="failed", reason=f"oversize answered {err_head(resp.text, resp.status_code)}")
+            # a transport error counts as failed: a server may close the socket after its 413 while we still send
+            await expect_status(rec, client.post(url + "/v1/completions", content=data,
+                                                 headers={"content-type": "application/json"}), 413, "oversize")
             return
         body, long = self.body()
         rec.update(long=long, prompt_tokens=len(body["prompt"]))

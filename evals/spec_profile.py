@@ -5,6 +5,7 @@ matmul microbenchmark of the target's linear shapes.
 from __future__ import annotations
 
 import cProfile
+import contextlib
 import os
 import pstats
 import tempfile
@@ -130,19 +131,27 @@ def parts(seconds: dict[str, float], steps: int) -> dict[str, float]:
     return per
 
 
-def op_table(bench: Bench, prompt: list[int], reference: list[int], rounds: int, top: int = 12) -> list[dict]:
-    """torch.profiler self-CPU time per op over `rounds` spec rounds (prefill included, small)."""
-    from torch.profiler import ProfilerActivity, profile
+@contextlib.contextmanager
+def replayed_request(bench: Bench, tag: str, prompt: list[int], reference: list[int], rounds: int):
+    """One greedy request replaying `reference` for `rounds` full-acceptance rounds, its first step taken; the
+    block steps it to the end (what op_table and cprofile_top measure); then the reference is dropped."""
     eng = bench.engine
-    rid = f"{bench.name}-ops"
+    rid = f"{bench.name}-{tag}"
     eng.spec_runner.proposer.references[rid] = reference
     eng.add_request(rid, prompt, SamplingParams(max_tokens=1 + rounds * (SPEC_STEPS + 1), temperature=0.0,
                                                 ignore_eos=True))
     eng.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        while eng.has_unfinished_requests():
-            eng.step()
+    yield eng
     eng.spec_runner.proposer.references.pop(rid, None)
+
+
+def op_table(bench: Bench, prompt: list[int], reference: list[int], rounds: int, top: int = 12) -> list[dict]:
+    """torch.profiler self-CPU time per op over `rounds` spec rounds (prefill included, small)."""
+    from torch.profiler import ProfilerActivity, profile
+    with replayed_request(bench, "ops", prompt, reference, rounds) as eng:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            while eng.has_unfinished_requests():
+                eng.step()
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in rows)
     return [{"op": e.key, "calls_per_round": round(e.count / rounds, 1),
@@ -151,18 +160,12 @@ def op_table(bench: Bench, prompt: list[int], reference: list[int], rounds: int,
 
 
 def cprofile_top(bench: Bench, prompt: list[int], reference: list[int], rounds: int, top: int = 15) -> list[dict]:
-    eng = bench.engine
-    rid = f"{bench.name}-cprofile"
-    eng.spec_runner.proposer.references[rid] = reference
-    eng.add_request(rid, prompt, SamplingParams(max_tokens=1 + rounds * (SPEC_STEPS + 1), temperature=0.0,
-                                                ignore_eos=True))
-    eng.step()
-    prof = cProfile.Profile()
-    prof.enable()
-    while eng.has_unfinished_requests():
-        eng.step()
-    prof.disable()
-    eng.spec_runner.proposer.references.pop(rid, None)
+    with replayed_request(bench, "cprofile", prompt, reference, rounds) as eng:
+        prof = cProfile.Profile()
+        prof.enable()
+        while eng.has_unfinished_requests():
+            eng.step()
+        prof.disable()
     stats = pstats.Stats(prof)
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # by tottime
     return [{"function": f"{os.path.relpath(f, os.path.dirname(EVALS_DIR)) if f.startswith('/') else f}:{line}({fn})",

@@ -10,6 +10,7 @@ rows use a per-request seed. Speculation is lossless, so tau here is what servin
 Configurations: chain S=3, chain S=5, tree K=4 S=5 with T=8 and T=16 draft tokens (root included).
 
   python evals/acceptance.py --draft-model default --algorithm eagle3     # -> evals/results/acceptance.json/.png
+  python evals/acceptance.py --draft-model default --algorithm mtp        # -> evals/results/acceptance_mtp.json/.png
   python evals/acceptance.py --num-prompts 8 --max-tokens 32 --out /tmp/acc.json   # smoke
   (two cores: one process per --datasets, then --merge A.json B.json)
 """
@@ -122,10 +123,13 @@ def main() -> int:
     ap.add_argument("--datasets", default="sharegpt_held_out,humaneval")
     ap.add_argument("--batch", type=int, default=16, help="running requests per engine step")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "acceptance.json"))
+    ap.add_argument("--out", help="default: evals/results/acceptance.json for eagle3, acceptance_<algorithm>.json "
+                                  "for the others (one canonical file per head)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="combine the results of runs over different datasets (e.g. one per core) into --out")
     args = ap.parse_args()
+    suffix = "" if args.algorithm == "eagle3" else f"_{args.algorithm}"
+    args.out = args.out or os.path.join(RESULTS_DIR, f"acceptance{suffix}.json")
     if args.merge:
         return merge(args.merge, args.out)
     torch.set_num_threads(args.threads)

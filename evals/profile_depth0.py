@@ -1,7 +1,9 @@
 """Where a round at depth 0 spends its time, against non-spec: timers around the engine's parts.
 
-`python evals/profile_depth0.py --configs non_spec hybrid random_hybrid --batch 8`
+`python evals/profile_depth0.py --configs non_spec hybrid mtp_hybrid random_hybrid --batch 8 --reps 3`
   -> evals/results/profile_depth0.json
+in the configuration a server takes on this machine (dtype, threads: specpd.machine), or `--dtype float32
+--threads 1` as the earlier runs were made.
 The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one engine step each in turn, as
 `bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep. Each engine's
 step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends, and the
@@ -28,6 +30,7 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import default_dtype, default_threads
 from specpd.model.loader import load_checkpoint
 
 
@@ -75,16 +78,20 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
                     help="thread: time the parts and steps in this thread's CPU time (leaves out the time the box "
                          "took the core away; the engines still decide on wall time)")
+    ap.add_argument("--dtype", default=default_dtype(), help="the engines' dtype (default: what `specpd serve` "
+                    "picks here: bfloat16 on an AMX / AVX512-BF16 box, else float32)")
+    ap.add_argument("--threads", type=int, default=default_threads(),
+                    help="torch threads (default: what `specpd serve` picks here, every usable core)")
     ap.add_argument("--out", default="evals/results/profile_depth0.json")
     args = ap.parse_args()
     if "non_spec" not in args.configs:
         raise SystemExit("--configs must include non_spec (the ratios' reference)")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     ckpt = load_checkpoint("default")
     head = tempfile.mkdtemp(prefix="random-eagle3-")
     random_draft_checkpoint(head, "eagle3", ModelConfig.from_hf(ckpt.hf_config), seed=0, draft_vocab_size=8192)
     all_cfgs = configs(head)
-    engines = {n: LLMEngine(EngineConfig(model="default", dtype="float32", spec=all_cfgs[n], num_threads=1,
+    engines = {n: LLMEngine(EngineConfig(model="default", dtype=args.dtype, spec=all_cfgs[n], num_threads=args.threads,
                                          cache=CacheConfig(page_size=16, num_pages=1024),
                                          scheduler=SchedulerConfig(max_running_requests=args.batch)),
                             checkpoint=ckpt) for n in args.configs}
@@ -97,15 +104,22 @@ def main() -> None:
         totals.clear()
         counts.clear()
     ratios = {n: [] for n in args.configs}
+    differing: dict[str, int] = {}  # reps whose greedy output differed from non-spec's (half precision only)
     for rep in range(args.reps):
         batch = prompts[args.batch * (rep + 1):args.batch * (rep + 2)]
         out = lockstep_run(engines, batch, params, f"rep{rep}", clock)
         for n in args.configs:
             if out[n]["tokens"] != out["non_spec"]["tokens"]:
-                raise AssertionError(f"{n}'s output differs from non-spec's")
+                # fp32 is exact; in half precision a prompt whose cached prefix differs by a page (a spec engine's
+                # pages carry draft KV, so it matches one page less) attends its rest in other chunks, and a
+                # near tie may flip (docs/prefix-caching.md)
+                if args.dtype == "float32":
+                    raise AssertionError(f"{n}'s output differs from non-spec's")
+                differing[n] = differing.get(n, 0) + 1
             ratios[n].append(out[n]["decode_tok_s"] / out["non_spec"]["decode_tok_s"])
         log("rep", rep, {n: round(r[-1], 3) for n, r in ratios.items()})
-    result = {"meta": {"machine": machine_info(), "versions": versions(), "args": vars(args)}, "configs": {}}
+    result = {"meta": {"machine": machine_info(), "versions": versions(), "args": vars(args),
+                       "reps_with_outputs_unlike_non_spec": differing}, "configs": {}}
     for n, (totals, counts) in timers.items():
         steps = counts["step"]
         entry = {"steps": steps, "ratio_vs_non_spec": ratios[n],

@@ -75,8 +75,7 @@ class ModelRunner:
         into them, D scatters a committed handoff's pages to the ranks."""
         from specpd.model import tp
         tp.check_tp_size(self.model_config, config.tp_size)
-        if config.quantization != "none":
-            raise ValueError(f"tp_size {config.tp_size} with quantization {config.quantization!r} is not built")
+        tp.check_quantization(self.model_config, config.tp_size, config.quantization)
         self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)
         if pd_role is not None and config.cache.num_pages is None:  # whole pages as at TP 1, the same page count

@@ -56,6 +56,30 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
                              f"{cfg.intermediate_size} intermediate)")
 
 
+def check_quantization(cfg: ModelConfig, tp: int, method: str) -> None:
+    """ValueError naming the sizes when `method`'s quantized weights would not shard into exactly TP 1's.
+
+    int4 quantizes groups of INT4_GROUP consecutive input columns of one output row (specpd.model.quant): a
+    row-parallel shard (o_proj, down_proj: input columns split) keeps whole groups when its width is a multiple
+    of the group, and a column-parallel one (q/k/v, gate/up: rows split) always does, so every rank holds TP 1's
+    codes and scales for its slice. int8 scales each output row by its absmax over every input column, which a
+    row-parallel shard splits: its scales would differ from TP 1's, so it is refused."""
+    from specpd.model.quant import _INT4_ROWS, INT4_GROUP
+    if method == "none" or tp == 1:
+        return
+    if method != "int4":
+        raise ValueError(f"tp_size {tp} with quantization {method!r} is not built: int8 scales each output row over "
+                         f"all its input columns, which o_proj and down_proj split across ranks (int4 shards exactly)")
+    d, hq, hkv, inter = cfg.head_dim, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    for name, width, unit in (("o_proj input columns", hq * d, INT4_GROUP),
+                              ("down_proj input columns", inter, INT4_GROUP),
+                              ("qkv_proj rows", (hq + 2 * hkv) * d, _INT4_ROWS),
+                              ("gate_up_proj rows", 2 * inter, _INT4_ROWS)):
+        if width % unit:
+            raise ValueError(f"tp_size {tp} with quantization 'int4': a rank's {width} {name} are not a multiple of "
+                             f"{unit}, so its shard would not hold whole int4 groups")
+
+
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """What one rank's decoder and KV pool hold: 1/tp of the heads and of the intermediate."""
     check_tp_size(cfg, tp)

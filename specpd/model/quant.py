@@ -142,18 +142,26 @@ class Int4Linear(QuantLinear):
 
 
 # -- int8 ----------------------------------------------------------------------------------------
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (codes [N, K] int8 in -127..127, scale [N] fp32), weight ~= codes * scale[:, None]."""
+def int8_scale(weight: torch.Tensor) -> torch.Tensor:
+    """Each output row's int8 scale [N] fp32: its absmax over every input column / 127."""
+    return weight.detach().float().abs().amax(-1) / 127
+
+
+def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes [N, K] int8 in -127..127, scale [N] fp32), weight ~= codes * scale[:, None].
+    `scale`: the rows' scales when they were taken over more columns than `weight` holds (a tensor-parallel
+    shard of a row-parallel layer, specpd/model/tp.py), so its codes are the whole row's."""
     w = weight.detach().float()
-    scale = w.abs().amax(-1) / 127
+    scale = int8_scale(w) if scale is None else scale
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return (w * inv.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 class Int8Linear(QuantLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16,
+                 scale: torch.Tensor | None = None):
         super().__init__(*weight.shape, bias, act_dtype)
-        codes, scale = quantize_int8(weight)
+        codes, scale = quantize_int8(weight, scale)
         self.register_buffer("codes", codes)  # [N, K] int8
         self.register_buffer("scale", scale.to(act_dtype))  # [N]
 
@@ -167,22 +175,30 @@ class Int8Linear(QuantLinear):
 _LINEARS = {"int4": Int4Linear, "int8": Int8Linear}
 
 
-def quantize_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
-    return _LINEARS[method](weight, bias)
+def quantize_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> QuantLinear:
+    """`scale`: int8 only, the rows' scales taken over the whole row (quantize_int8)."""
+    if scale is None:
+        return _LINEARS[method](weight, bias)
+    if method != "int8":
+        raise ValueError(f"a given row scale is int8's, not {method!r}'s")
+    return Int8Linear(weight, bias, scale=scale)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str) -> None:
+def quantize_model(model: nn.Module, method: str, row_scales: list[dict[str, torch.Tensor]] | None = None) -> None:
     """Swap the decoder's projections for quantized ones and give the model an int8 LM head.
 
     Done once at load time, before the first forward. The full-precision head weight stays in place
     (`lm_head_weight`: the embedding when tied) for drafts that borrow it; only the target's own
-    `compute_logits` uses the quantized copy."""
+    `compute_logits` uses the quantized copy. `row_scales[i]`: int8 scales of layer i's "o_proj" / "down_proj"
+    taken over their whole rows, for a tensor-parallel shard that holds some of the columns."""
     if method == "none":
         return
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
             linear: nn.Linear = getattr(parent, name)
-            setattr(parent, name, quantize_linear(method, linear.weight, linear.bias))
+            scale = row_scales[i].get(name) if row_scales else None
+            setattr(parent, name, quantize_linear(method, linear.weight, linear.bias, scale))
     model.quantized_head = quantize_linear(HEAD_METHOD, model.lm_head_weight)

@@ -83,10 +83,12 @@ class ModelRunner:
             page = KVPool.page_bytes(self.model_config, config.cache.page_size, self.dtype, kv_extra_layers)
             config = replace(config, cache=replace(config.cache, num_pages=max(
                 1, (config.cache.kv_cache_memory_mb << 20) // page)))
-        group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len)
+        scales = tp.row_parallel_scales(checkpoint.weights, self.model_config, config.quantization)
+        group, conns, procs = tp.start_group(config, checkpoint.hf_config, checkpoint.weights, max_model_len, scales)
         weights = tp.shard_weights(checkpoint.weights, self.model_config, config.tp_size, 0)
         model, self.kv_pool, self.backend = build_decoder(config, tp.shard_config(self.model_config, config.tp_size),
-                                                          weights, max_model_len, self.device, self.dtype)
+                                                          weights, max_model_len, self.device, self.dtype,
+                                                          row_scales=scales)
         tp.attach(model, group)
         self.model = self.tp = tp.TPModel(model, group, conns, procs)
         self.host_pool = self.kv_pool

@@ -63,13 +63,10 @@ def check_quantization(cfg: ModelConfig, tp: int, method: str) -> None:
     row-parallel shard (o_proj, down_proj: input columns split) keeps whole groups when its width is a multiple
     of the group, and a column-parallel one (q/k/v, gate/up: rows split) always does, so every rank holds TP 1's
     codes and scales for its slice. int8 scales each output row by its absmax over every input column, which a
-    row-parallel shard splits: its scales would differ from TP 1's, so it is refused."""
+    row-parallel shard splits: those layers take the whole rows' scales (row_parallel_scales) and need no check."""
     from specpd.model.quant import _INT4_ROWS, INT4_GROUP
-    if method == "none" or tp == 1:
+    if method != "int4" or tp == 1:
         return
-    if method != "int4":
-        raise ValueError(f"tp_size {tp} with quantization {method!r} is not built: int8 scales each output row over "
-                         f"all its input columns, which o_proj and down_proj split across ranks (int4 shards exactly)")
     d, hq, hkv, inter = cfg.head_dim, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
     for name, width, unit in (("o_proj input columns", hq * d, INT4_GROUP),
                               ("down_proj input columns", inter, INT4_GROUP),
@@ -78,6 +75,17 @@ def check_quantization(cfg: ModelConfig, tp: int, method: str) -> None:
         if width % unit:
             raise ValueError(f"tp_size {tp} with quantization 'int4': a rank's {width} {name} are not a multiple of "
                              f"{unit}, so its shard would not hold whole int4 groups")
+
+
+def row_parallel_scales(weights: dict[str, torch.Tensor], cfg: ModelConfig, method: str
+                        ) -> list[dict[str, torch.Tensor]] | None:
+    """int8: every layer's o_proj and down_proj row scales over their whole rows (quant.int8_scale), which each
+    rank's column shard quantizes with, so its codes are TP 1's; None for the other methods."""
+    if method != "int8":
+        return None
+    from specpd.model.quant import int8_scale
+    return [{name: int8_scale(weights[f"model.layers.{i}.{block}.{name}.weight"])
+             for block, name in (("self_attn", "o_proj"), ("mlp", "down_proj"))} for i in range(cfg.num_layers)]
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -242,7 +250,7 @@ def rank_threads(config: EngineConfig) -> int:
 
 
 def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.Tensor],
-                max_model_len: int) -> tuple[TPGroup, list, list]:
+                max_model_len: int, row_scales=None) -> tuple[TPGroup, list, list]:
     """Spawn ranks 1..tp-1 (each builds its shard of the decoder and the KV pool) and join rank 0 to the group;
     returns (group, pipes, processes)."""
     size = config.tp_size
@@ -254,7 +262,7 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, name=f"specpd-tp{rank}", daemon=True,
                            args=(rank, store.port, config, hf_config, shard_weights(weights, cfg, size, rank),
-                                 max_model_len, child))
+                                 max_model_len, child, row_scales))
         proc.start()
         child.close()
         conns.append(parent)
@@ -269,7 +277,7 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
 
 
 def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: dict, weights: dict,
-                 max_model_len: int, conn) -> None:
+                 max_model_len: int, conn, row_scales=None) -> None:
     from specpd.kernels.kv_compact import compact_pool
     from specpd.kv.pool import DTYPES
     from specpd.model.decoder import build_decoder
@@ -278,7 +286,8 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(store, rank, config.tp_size)
     model, pool, backend = build_decoder(config, shard_config(ModelConfig.from_hf(hf_config), config.tp_size),
-                                         weights, max_model_len, torch.device(config.device), DTYPES[config.dtype])
+                                         weights, max_model_len, torch.device(config.device), DTYPES[config.dtype],
+                                         row_scales=row_scales)
     del weights
     attach(model, group)
     with torch.inference_mode():

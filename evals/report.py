@@ -212,6 +212,16 @@ def profile_step(d: dict) -> str:
     return _table(["case", "step ms", "floor ms", "over the floor", "GEMMs ms", "attention ms"], rows)
 
 
+def profile_depth0(d: dict) -> str:
+    rows = []
+    for name, c in d["configs"].items():
+        r, ms = sorted(c["ratio_vs_non_spec"]), c["ms_per_step"]
+        rows.append([name, _f(r[len(r) // 2], 3, "×") + _spread([r[0], r[-1]], 3), _f(ms["step"], 1),
+                     _f(ms.get("draft_extend"), 2), _f(ms.get("policy_plan"), 2), _f(c.get("rounds_off_share"))])
+    return _table(["config", "decode tok/s vs non-spec", "step ms", "draft extends ms", "policy ms",
+                   "share of rounds at depth 0"], rows)
+
+
 def soak(d: dict) -> str:
     s = d["summary"]
     kinds = ", ".join(f"{k} {v}" for k, v in s["by_kind"].items())
@@ -284,7 +294,7 @@ RESULTS = [
            attention),
     Result("gemm.json", "bench_gemm.py", "GEMM paths (oneDNN, MKL, the few-row kernel) by rows and threads"),
     Result("profile_depth0.json", "profile_depth0.py", "where a spec engine's step goes when it does not "
-           "speculate"),
+           "speculate", profile_depth0),
     Result("soak.json", "soak.py", "30 minutes of mixed load through the supervised cluster", soak),
     Result("gpu.json", "bench_gpu.py", "the engine on one H200 (random weights, SmolLM2's shape)", gpu),
 ]
@@ -301,6 +311,9 @@ def section(r: Result) -> str:
              f"- command: `{p['command']}`" if p["command"] else f"- command: `python evals/{r.script}`",
              *([f"- arguments recorded: `{json.dumps(p['args'], separators=(',', ':'))}`"] if p["args"] else []),
              f"- machine: {p['machine']}", f"- commit: {p['commit']}", f"- date: {p['date']}"]
+    for recheck in data.get("rechecks", []):
+        command = re.sub(r"\s--out\s+\S+", "", recheck["command"])
+        lines.append(f"- recheck (`{command}`): {recheck['why']}")
     if os.path.exists(os.path.join(RESULTS_DIR, plot)):
         lines.append(f"- plot: [{plot}](../evals/results/{plot})")
     if r.summary:

@@ -1,0 +1,176 @@
+"""The Markdown table evals/report.py prints for each benchmark's canonical result file: one function per
+benchmark, taking the file's JSON; the cells carry medians with their min-max spread where the file has them."""
+from __future__ import annotations
+
+
+def _f(x, p=2, suffix=""):
+    return "–" if x is None else f"{x:.{p}f}{suffix}"
+
+
+def _spread(x, p=2):
+    return f" ({_f(x[0], p)}–{_f(x[1], p)})" if x else ""
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def peer_cells(d: dict) -> dict:
+    """The cells of a bench_peers run, later rechecks replacing the cells they measured again."""
+    cells = {name: dict(c) for name, c in d["cells"].items()}
+    for recheck in d.get("rechecks", []):
+        for name, c in recheck["cells"].items():
+            cells.setdefault(name, {}).update({k: v for k, v in c.items() if v.get("reps")})
+    return cells
+
+
+def peers(d: dict) -> str:
+    cells, rows = peer_cells(d), []
+    configs = sorted({n.split("/", 1)[1] for n in cells}, key=lambda s: (s.split("/")[1], s))
+    workloads = sorted({k.split("/")[0] for c in cells.values() for k in c})
+    for config in configs:
+        for w in workloads:
+            row = [config.replace("/", " "), w]
+            for key, field, p in ((f"{w}/c1", "tpot_p50_ms", 1), (f"{w}/c8", "output_tok_s", 0),
+                                  (f"{w}/c32", "output_tok_s", 0)):
+                for engine in ("specpd", "vllm"):
+                    c = cells.get(f"{engine}/{config}", {}).get(key) or {}
+                    row.append(_f(c.get(field), p) + _spread(c.get(field + "_spread"), p))
+            taus = [cells.get(f"{e}/{config}", {}).get(f"{w}/c1", {}).get("tau") for e in ("specpd", "vllm")]
+            row.append(" / ".join(_f(t) for t in taus))
+            rows.append(row)
+    return _table(["config", "workload", "specpd TPOT c1 ms", "vLLM TPOT c1 ms", "specpd tok/s c8",
+                   "vLLM tok/s c8", "specpd tok/s c32", "vLLM tok/s c32", "τ c1 specpd / vLLM"], rows)
+
+
+def peers_spec(d: dict) -> str:
+    cells, rows = peer_cells(d), []
+    plain, spec = cells["specpd/plain/bf16"], cells["specpd/eagle3/bf16"]
+    for key in plain:
+        field = "tpot_p50_ms" if key.endswith("/c1") else "output_tok_s"
+        ratio = plain[key][field] / spec[key][field] if field == "tpot_p50_ms" else spec[key][field] / plain[key][field]
+        rows.append([key, _f(plain[key][field], 1) + _spread(plain[key][field + "_spread"], 1),
+                     _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), _f(ratio, 2, "×"),
+                     _f(spec[key]["tau"])])
+    return _table(["cell", "plain (TPOT ms at c1, tok/s above)", "eagle3 defaults", "eagle3 over plain", "τ"],
+                  rows)
+
+
+def spec_workloads(d: dict) -> str:
+    rows = []
+    for cell, configs in d["runs"].items():
+        for name, c in configs.items():
+            if name != "non_spec":
+                rows.append([cell, name, _f(c["vs_non_spec"], 3, "×") + _spread(c.get("spread"), 3),
+                             _f(c.get("tau")), _f(c.get("rounds_off_share"))])
+    return _table(["workload/batch", "config", "decode tok/s vs non-spec", "τ", "share of rounds at depth 0"],
+                  rows)
+
+
+def acceptance(d: dict) -> str:
+    rows = []
+    for config, by_set in d["results"].items():
+        row = [config]
+        for name, r in by_set.items():
+            for t, v in sorted(r.items()):
+                if isinstance(v, dict) and "tau" in v:
+                    row.append(f"{name} {t}: {_f(v['tau'])}")
+        rows.append([row[0], "; ".join(row[1:])])
+    return _table(["draft shape", "τ (tokens per verify, bonus included)"], rows)
+
+
+def pd(d: dict) -> str:
+    rows = []
+    for config, r in d["results"].items():
+        s = r.get("short", {})
+        rows.append([config, _f((s.get("ttft_p50_s") or 0) * 1e3, 0), _f((s.get("tpot_p50_s") or 0) * 1e3, 1),
+                     _f((s.get("tpot_p99_s") or 0) * 1e3, 1), s.get("num_errors", "–")])
+    table = _table(["config", "short TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms", "errors"], rows)
+    ratios = [f"- {k}: median {_f(v['median'])} ({_f(v['min'])}–{_f(v['max'])})"
+              for k, v in d.get("ratios", {}).items() if isinstance(v, dict) and "median" in v]
+    return table + ("\n\n" + "\n".join(ratios) if ratios else "")
+
+
+def pd_ttft(d: dict) -> str:
+    rows = []
+    for phase, s in d["summary"].items():
+        rows.append([phase, _f(s["short_ttft_unified_ms"]["p50"], 0), _f(s["short_ttft_pd_ms"]["p50"], 0),
+                     _f(s["short_pd_minus_unified_ms"]["p50"], 1), _f(s["4k_ttft_unified_ms"]["p50"], 0),
+                     _f(s["4k_ttft_pd_ms"]["p50"], 0), _f(s["4k_tail"]["tail_ms"], 1)])
+    return _table(["phase", "short unified p50 ms", "short PD p50 ms", "PD − unified p50 ms", "4k unified p50 ms",
+                   "4k PD p50 ms", "4k tail after prefill ms"], rows)
+
+
+def prefix(d: dict) -> str:
+    rows = [[name, _f(c.get("ttft_turn1_p50_s", 0) * 1e3, 0), _f(c.get("ttft_later_p50_s", 0) * 1e3, 0),
+             _f(c.get("hit_rate"))] for name, c in d["multi_turn"]["configs"].items()]
+    return _table(["config", "TTFT turn 1 p50 ms", "TTFT later turns p50 ms", "prefix hit rate"], rows)
+
+
+def tp(d: dict) -> str:
+    s = d["summary"]
+    rows = [[b, _f(s[b]["tp1_step_ms_median"], 1), _f(s[b]["tp3_step_ms_median"], 1),
+             _f(s[b]["all_reduce_share_median"])] for b in ("b1", "b8")]
+    pairs = ", ".join(f"{p['prefill_tp']}→{p['decode_tp']}: {_f(p['descriptors_per_page'])}"
+                      for p in d["pd_descriptors"])
+    return (_table(["batch", "TP 1 step ms", "TP 3 step ms", "all-reduce share of the TP 3 step"], rows)
+            + f"\n\nPrefill of {d['prefill_tokens']} tokens: TP 1 {_f(s['prefill']['tp1_ms_median'], 0)} ms, "
+              f"TP 3 {_f(s['prefill']['tp3_ms_median'], 0)} ms. KV descriptors per page, P→D TP: {pairs}.")
+
+
+def tp_matrix(d: dict) -> str:
+    rows = [[c["shape"], c["draft_mode"], f"{c['prefill_tp']}→{c['decode_tp']}", all(c["text_equal"]),
+             c["tau_equal"]] for c in d["cases"]]
+    return _table(["tree", "draft mode", "P→D TP", "text equals unified TP 1", "τ equal"], rows)
+
+
+def structured(d: dict) -> str:
+    rows = [[r["config"], r["batch"], r["mode"], _f(r["tpot_ms"], 1), _f(r.get("tau")), _f(r["mask_share"], 3),
+             r.get("valid", "–")] for r in d["results"]]
+    return _table(["config", "batch", "mode", "TPOT ms", "τ", "mask share of the step", "valid JSON"], rows)
+
+
+def attention(d: dict) -> str:
+    rows = [[name, _f(c["current_ms"], 1), _f(c["against_ms"], 1), _f(c["speedup"], 2, "×"),
+             c.get("bit_identical", "–")] for name, c in d["cases"].items()]
+    return _table(["case (30 layer calls)", "ms", f"ms at {d['args']['against']}", "speed-up", "bit-identical"],
+                  rows)
+
+
+def profile_step(d: dict) -> str:
+    rows = [[name, _f(c["step_ms"], 1), _f(c["floor_ms"], 1), _f(c["step_ms"] / c["floor_ms"], 2, "×"),
+             _f(c["gemm_ms"], 1), _f(c["attention_ms"], 1)] for name, c in d["cases"].items()]
+    return _table(["case", "step ms", "floor ms", "over the floor", "GEMMs ms", "attention ms"], rows)
+
+
+def profile_depth0(d: dict) -> str:
+    rows = []
+    for name, c in d["configs"].items():
+        r, ms = sorted(c["ratio_vs_non_spec"]), c["ms_per_step"]
+        rows.append([name, _f(r[len(r) // 2], 3, "×") + _spread([r[0], r[-1]], 3), _f(ms["step"], 1),
+                     _f(ms.get("draft_extend"), 2), _f(ms.get("policy_plan"), 2), _f(c.get("rounds_off_share"))])
+    return _table(["config", "decode tok/s vs non-spec", "step ms", "draft extends ms", "policy ms",
+                   "share of rounds at depth 0"], rows)
+
+
+def soak(d: dict) -> str:
+    s = d["summary"]
+    kinds = ", ".join(f"{k} {v}" for k, v in s["by_kind"].items())
+    return (f"{s['sent']} requests over {d['args']['minutes']:.0f} min: {s['completed']} completed, "
+            f"{s['expected_refusals']} refused as they should be ({kinds}), "
+            f"**{s['failed']} failed, {s['lost']} lost**; TTFT p50 {_f(s['ttft_s']['p50'])} s, short prompts "
+            f"{_f(s['ttft_s_short']['p50'])} s.")
+
+
+def offline(d: dict) -> str:
+    rows = [[r["engine"], r["config"], r["batch_size"], _f(r["decode_tokens_per_s"], 1), _f(r["tokens_per_s"], 1),
+             _f(r["ttft_s"], 2)] for r in d["results"]]
+    return _table(["engine", "config", "batch", "decode tok/s", "end-to-end tok/s", "TTFT s"], rows)
+
+
+def gpu(d: dict) -> str:
+    rows = [[k, _f(v["tpot_ms"], 1), _f(v.get("tau")), _f(v.get("tok_s_over_plain"), 2, "×"),
+             v.get("greedy_equals_plain", "–")] for k, v in {**d["plain"], **d["spec"]}.items()]
+    return _table(["dtype/backend/config/batch", "TPOT ms", "τ", "over plain", "greedy equals plain"], rows)

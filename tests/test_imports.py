@@ -1,4 +1,4 @@
-"""The code's layers hold: no import circle between modules of specpd/ or evals/ (imports inside functions
+"""The code's house holds: no Python file over 400 lines, no import circle between modules of specpd/ or evals/ (imports inside functions
 count: they hide a circle, they do not remove it), and none between specpd's packages (docs/architecture.md,
 "Layers of the code")."""
 from __future__ import annotations
@@ -96,3 +96,17 @@ def test_no_package_import_circles():
 def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_python_file_over_400_lines():
+    """Files split by responsibility stay readable whole (issue 35): specpd/, tests/ and evals/."""
+    long = {}
+    for top in ("specpd", "tests", "evals"):
+        for base, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(base, f)) as fh:
+                        n = sum(1 for _ in fh)
+                    if n > 400:
+                        long[os.path.relpath(os.path.join(base, f), ROOT)] = n
+    assert not long, f"split these by responsibility: {long}"

@@ -1,6 +1,6 @@
-"""The code's house holds: no Python file over 400 lines, no import circle between modules of specpd/ or evals/ (imports inside functions
-count: they hide a circle, they do not remove it), and none between specpd's packages (docs/architecture.md,
-"Layers of the code")."""
+"""The code's house holds: no Python file over 400 lines, no import circle between modules of specpd/ or
+evals/ (imports inside functions count: they hide a circle, they do not remove it), and none between specpd's
+packages (docs/architecture.md, "Layers of the code")."""
 from __future__ import annotations
 
 import ast

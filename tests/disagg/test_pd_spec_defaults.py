@@ -2,10 +2,12 @@
 --speculative-algorithm eagle3 --draft-model default --draft-mode MODE` (the shipped head, n-grams merged into its
 tree, the adaptive policy NOT pinned: it calibrates at startup and learns online) against a unified server on the
 same chat prompts, greedy, one request at a time:
-  - D verifies on the requests the unified server verifies on, and turns speculation off (depth 0) on no more of
-    its rounds than unified does, within 0.15 (the bug: D that never speculated). Not two-sided: both policies
-    learn online from their own timings, and a unified server sharing a loaded box with another test's servers
-    has been seen to go to depth 0 on 19% of its rounds while D, on the same box, stayed at 0%;
+  - D verifies on the requests the unified server verifies on (the bug: D that never speculated, depth 0 on every
+    round), and turns speculation off on no more of its rounds than unified does, within 0.4. Not two-sided, and
+    not tight: both policies learn online from their own timings. A unified server sharing a loaded box with
+    another test's servers went to depth 0 on 19% of its rounds while D stayed at 0%; in a fresh-clone CI run with
+    nothing else running, a decode-only D measured its draft 2.1x slower than calibrated (draft_scale) and went to
+    depth 0 on 26% of its rounds against unified's 0% (same outputs, same requests verified; it passed alone);
   - the outputs are unified's (speculation changes speed, never output);
   - every response's usage carries spec_verify_count / spec_accepted_tokens / spec_accept_length (0, 0, null for a
     request that took no verify round: one whose y0 already ends it);
@@ -79,7 +81,7 @@ def test_the_decode_servers_policy_decides_as_the_unified_servers_does(unified, 
     assert verified == [u["usage"]["spec_verify_count"] > 0 for u in want], (
         [u["usage"] for u in got], [u["usage"] for u in want], d_info.get("spec_policy"), want_info.get("spec_policy"))
     share, want_share = d_info["spec_rounds_off_share"], want_info["spec_rounds_off_share"]
-    assert share <= want_share + 0.15, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
+    assert share <= want_share + 0.4, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
     # the router shows it: D's depth-0 share beside tau, and its calibrated cost model
     [summary] = router_info["decode_spec"]
     assert summary["spec_rounds_off_share"] == share and summary["spec_accept_length"] == d_info["spec_accept_length"]

@@ -52,17 +52,21 @@ def _groups(parser: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Ac
     return out
 
 
-def render() -> str:
+def _subcommands() -> argparse._SubParsersAction:
+    """`specpd`'s subcommands (serve, generate, train-draft) as its parser holds them."""
     from specpd.server.cli import build_parser
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def render() -> str:
+    sub = _subcommands()
     helps = {c.dest: c.help for c in sub._choices_actions}
     lines = [INTRO]
     for name, command in sub.choices.items():
         lines += [f"## specpd {name}", "", f"{helps.get(name, '')[:1].upper()}{helps.get(name, '')[1:]}.", ""]
         for title, actions in _groups(command):
             if title == "engine" and name != "serve":
-                lines += [f"and every flag of `specpd serve`'s engine group above.", ""]
+                lines += ["and every flag of `specpd serve`'s engine group above.", ""]
                 continue
             lines += [f"### {'general' if title == 'options' else title}", "", "| flag | what it does |", "|---|---|"]
             lines += [f"| {_flag(a)} | {_help(command, a)} |" for a in actions]
@@ -72,10 +76,7 @@ def render() -> str:
 
 def flags() -> set[str]:
     """Every option string any `specpd` subcommand takes."""
-    from specpd.server.cli import build_parser
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {s for command in sub.choices.values() for a in command._actions for s in a.option_strings}
+    return {s for command in _subcommands().choices.values() for a in command._actions for s in a.option_strings}
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ the README summary is not what this would write (a test runs it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -130,15 +131,24 @@ RESULTS = [
 ]
 
 
+@functools.cache
+def load(file: str) -> dict:
+    """A result file's JSON (read once: the results page, the benchmarks page and the README use them)."""
+    with open(os.path.join(RESULTS_DIR, file)) as f:
+        return json.load(f)
+
+
+def described(r: Result) -> dict:
+    """provenance() of r's file, its command falling back to what RESULTS says, then to the bare script."""
+    p = provenance(load(r.file), os.path.join(RESULTS_DIR, r.file))
+    p["command"] = p["command"] or r.command or f"python evals/{r.script}"
+    return p
+
+
 def section(r: Result) -> str:
-    path = os.path.join(RESULTS_DIR, r.file)
-    with open(path) as f:
-        data = json.load(f)
-    p = provenance(data, path)
-    p["command"] = p["command"] or r.command
+    data, p = load(r.file), described(r)
     plot = r.file.replace(".json", ".png")
-    lines = [f"## {r.file}", "", f"{r.what}. Written by `evals/{r.script}`.", "",
-             f"- command: `{p['command']}`" if p["command"] else f"- command: `python evals/{r.script}`",
+    lines = [f"## {r.file}", "", f"{r.what}. Written by `evals/{r.script}`.", "", f"- command: `{p['command']}`",
              *([f"- arguments recorded: `{json.dumps(p['args'], separators=(',', ':'))}`"] if p["args"] else []),
              f"- machine: {p['machine']}", f"- commit: {p['commit']}", f"- date: {p['date']}"]
     for recheck in data.get("rechecks", []):
@@ -178,18 +188,14 @@ def render_benchmarks() -> str:
         what = " ".join(doc.split("\n\n")[0].split())
         lines += [f"## evals/{script}", "", what, ""]
         for r in (r for r in RESULTS if r.script == script):
-            with open(os.path.join(RESULTS_DIR, r.file)) as f:
-                p = provenance(json.load(f), os.path.join(RESULTS_DIR, r.file))
-            p["command"] = p["command"] or r.command
             lines.append(f"- [`evals/results/{r.file}`](results.md#{r.file.replace('.', '')}): {r.what}; "
-                         f"`{p['command'] or 'python evals/' + script}`")
+                         f"`{described(r)['command']}`")
         lines.append("")
     return "\n".join(lines)
 
 
 def render_readme_summary() -> str:
-    with open(os.path.join(RESULTS_DIR, "peers.json")) as f:
-        data = json.load(f)
+    data = load("peers.json")
     p = provenance(data, os.path.join(RESULTS_DIR, "peers.json"))
     return (f"specpd against vLLM's CPU build on the same box ({p['machine']}), the same SmolLM2-135M weights "
             f"and EAGLE-3 head, bf16/fp32, one OpenAI streaming client, greedy; medians of 3 rotated repetitions "

@@ -44,7 +44,7 @@ from specpd.config import EngineConfig
 QUANT_METHODS = ("none", "int4", "int8")
 HEAD_METHOD = "int8"  # the LM head's format whatever the method (see the module docstring)
 INT4_GROUP = 32
-_INT4_ROWS = 16  # the CPU int4 packing needs out_features % 16 == 0
+INT4_ROWS = 16  # the CPU int4 packing needs out_features % 16 == 0
 DENSE_ROWS = 128  # inputs with this many rows take the dequantize + fp32 GEMM path (QuantLinear)
 
 
@@ -118,8 +118,8 @@ class QuantLinear(nn.Module):
 class Int4Linear(QuantLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16):
         super().__init__(*weight.shape, bias, act_dtype)
-        if self.out_features % _INT4_ROWS:
-            raise ValueError(f"int4 needs out_features divisible by {_INT4_ROWS}, got {self.out_features}")
+        if self.out_features % INT4_ROWS:
+            raise ValueError(f"int4 needs out_features divisible by {INT4_ROWS}, got {self.out_features}")
         codes, scale, low = quantize_int4(weight)
         # the kernel's zero is the value of code 8: w = (q - 8) * scale + zero
         scale_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # [G, N, 2]

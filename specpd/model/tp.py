@@ -64,14 +64,14 @@ def check_quantization(cfg: ModelConfig, tp: int, method: str) -> None:
     of the group, and a column-parallel one (q/k/v, gate/up: rows split) always does, so every rank holds TP 1's
     codes and scales for its slice. int8 scales each output row by its absmax over every input column, which a
     row-parallel shard splits: those layers take the whole rows' scales (row_parallel_scales) and need no check."""
-    from specpd.model.quant import _INT4_ROWS, INT4_GROUP
+    from specpd.model.quant import INT4_ROWS, INT4_GROUP
     if method != "int4" or tp == 1:
         return
     d, hq, hkv, inter = cfg.head_dim, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
     for name, width, unit in (("o_proj input columns", hq * d, INT4_GROUP),
                               ("down_proj input columns", inter, INT4_GROUP),
-                              ("qkv_proj rows", (hq + 2 * hkv) * d, _INT4_ROWS),
-                              ("gate_up_proj rows", 2 * inter, _INT4_ROWS)):
+                              ("qkv_proj rows", (hq + 2 * hkv) * d, INT4_ROWS),
+                              ("gate_up_proj rows", 2 * inter, INT4_ROWS)):
         if width % unit:
             raise ValueError(f"tp_size {tp} with quantization 'int4': a rank's {width} {name} are not a multiple of "
                              f"{unit}, so its shard would not hold whole int4 groups")

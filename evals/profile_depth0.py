@@ -5,7 +5,11 @@
 in the configuration a server takes on this machine (dtype, threads: specpd.machine), or `--dtype float32
 --threads 1` as the earlier runs were made.
 The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one engine step each in turn, as
-`bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep. Each engine's
+`bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep: `--batch` at once,
+or with `--closed-loop N`, N prompts through `--batch` clients (the next added as one finishes: arrivals and
+finishes spread over the rounds, as a served benchmark's, and the ratio is every output token over all step time).
+A config named `<config>_eager` is that config with every prompt's draft extend run at once (SpecRunner's
+`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle). Each engine's
 step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends, and the
 finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON holds
 their milliseconds per engine step, the share of rounds at depth 0 and each rep's decode tok/s ratio to
@@ -75,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--closed-loop", type=int, default=0, metavar="N",
+                    help="N prompts a rep through --batch clients (a closed loop), not --batch at once")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
                     help="thread: time the parts and steps in this thread's CPU time (leaves out the time the box "
                          "took the core away; the engines still decide on wall time)")
@@ -91,23 +97,30 @@ def main() -> None:
     head = tempfile.mkdtemp(prefix="random-eagle3-")
     random_draft_checkpoint(head, "eagle3", ModelConfig.from_hf(ckpt.hf_config), seed=0, draft_vocab_size=8192)
     all_cfgs = configs(head)
-    engines = {n: LLMEngine(EngineConfig(model="default", dtype=args.dtype, spec=all_cfgs[n], num_threads=args.threads,
+    engines = {n: LLMEngine(EngineConfig(model="default", dtype=args.dtype, spec=all_cfgs[n.removesuffix("_eager")],
+                                         num_threads=args.threads,
                                          cache=CacheConfig(page_size=16, num_pages=1024),
                                          scheduler=SchedulerConfig(max_running_requests=args.batch)),
                             checkpoint=ckpt) for n in args.configs}
+    for n, eng in engines.items():
+        if n.endswith("_eager"):
+            eng.spec_runner.defer_prompt_tokens = 0
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timers = {n: instrument(e, clock) for n, e in engines.items()}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
-    prompts = chat_prompts(ckpt.tokenizer, args.batch * (args.reps + 1))
-    lockstep_run(engines, prompts[:args.batch], params, "warm", clock)
+    per_rep = args.closed_loop or args.batch
+    prompts = chat_prompts(ckpt.tokenizer, per_rep * (args.reps + 1))
+    loop = args.batch if args.closed_loop else None
+    lockstep_run(engines, prompts[:per_rep], params, "warm", clock, loop)
     for totals, counts in timers.values():
         totals.clear()
         counts.clear()
     ratios = {n: [] for n in args.configs}
     differing: dict[str, int] = {}  # reps whose greedy output differed from non-spec's (half precision only)
     for rep in range(args.reps):
-        batch = prompts[args.batch * (rep + 1):args.batch * (rep + 2)]
-        out = lockstep_run(engines, batch, params, f"rep{rep}", clock)
+        batch = prompts[per_rep * (rep + 1):per_rep * (rep + 2)]
+        out = lockstep_run(engines, batch, params, f"rep{rep}", clock, loop)
+        rate = "tok_s" if loop else "decode_tok_s"
         for n in args.configs:
             if out[n]["tokens"] != out["non_spec"]["tokens"]:
                 # fp32 is exact; in half precision a prompt whose cached prefix differs by a page (a spec engine's
@@ -116,7 +129,7 @@ def main() -> None:
                 if args.dtype == "float32":
                     raise AssertionError(f"{n}'s output differs from non-spec's")
                 differing[n] = differing.get(n, 0) + 1
-            ratios[n].append(out[n]["decode_tok_s"] / out["non_spec"]["decode_tok_s"])
+            ratios[n].append(out[n][rate] / out["non_spec"][rate])
         log("rep", rep, {n: round(r[-1], 3) for n, r in ratios.items()})
     result = {"meta": {"machine": machine_info(), "versions": versions(), "args": vars(args),
                        "reps_with_outputs_unlike_non_spec": differing}, "configs": {}}

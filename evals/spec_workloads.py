@@ -132,18 +132,23 @@ def timed_run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 
 def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params: SamplingParams,
-                 tag: str, clock=time.perf_counter) -> dict[str, dict]:
+                 tag: str, clock=time.perf_counter, concurrency: int | None = None) -> dict[str, dict]:
     """Every config on the same prompts at once, one engine step each in turn (a rotating order), each
     step timed on its own: a config's decode time is the sum of its own step times after every one of its
     requests has a first token. Interleaving per ~100 ms step instead of per run leaves the box's drift
     (other jobs, memory bandwidth) to fall on every config alike; the ratios then hold the engine's own
     difference. `clock`: time.thread_time reads each step's CPU time instead (a diagnostic: it leaves out
-    the time the box took the core away, not memory-bandwidth contention)."""
+    the time the box took the core away, not memory-bandwidth contention).
+    `concurrency`: a closed loop instead, as a served benchmark's clients: that many requests at a time, the next
+    prompt added when one finishes; then `tok_s` (every output token over all the config's step time, prefills
+    included) is what compares, `decode_tok_s` is left out."""
     names = list(engines)
     ids = {n: [f"{tag}-{n}-{i}" for i in range(len(prompts))] for n in names}
+    queued = {n: list(zip(ids[n], prompts)) for n in names}
     for n in names:
-        for rid, p in zip(ids[n], prompts):
+        for rid, p in queued[n][:concurrency or len(prompts)]:
             engines[n].add_request(rid, p, params)
+        queued[n] = queued[n][concurrency or len(prompts):]
     busy = {n: 0.0 for n in names}  # seconds in this config's steps so far
     ttft = {n: None for n in names}
     first = {n: set() for n in names}
@@ -164,6 +169,8 @@ def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params
                     first[n].add(out.request_id)
                 if out.finished:
                     final[n][out.request_id] = out
+                    if queued[n]:
+                        eng.add_request(*queued[n].pop(0), params)
             if ttft[n] is None and len(first[n]) == len(prompts):
                 ttft[n] = busy[n]
     results = {}
@@ -174,9 +181,11 @@ def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params
         decode_tokens = sum(len(o.token_ids) - 1 for o in outs)
         verify = sum(o.spec_verify_count for o in outs)
         committed = sum(o.spec_committed_tokens for o in outs)
-        results[n] = {"tokens": [o.token_ids for o in outs],
-                      "decode_tok_s": decode_tokens / max(busy[n] - ttft[n], 1e-9), "busy_s": busy[n],
-                      "ttft_s": ttft[n], "tau": committed / verify if verify else None, "decode_tokens": decode_tokens}
+        results[n] = {"tokens": [o.token_ids for o in outs], "busy_s": busy[n], "ttft_s": ttft[n],
+                      "tok_s": sum(len(o.token_ids) for o in outs) / busy[n],
+                      "tau": committed / verify if verify else None, "decode_tokens": decode_tokens}
+        if concurrency is None:
+            results[n]["decode_tok_s"] = decode_tokens / max(busy[n] - ttft[n], 1e-9)
     return results
 
 

@@ -114,11 +114,15 @@ class EagleProposer(Proposer):
             pages.append(ex.request.pages)
         hidden = torch.cat([ex.hidden for ex in extends]).to(self.pool.dtype)
         out = self._run(ids, hidden, positions, q_lens, kv_lens, pages, step=0, last_only=True)  # [items, H]
-        top_ids, top_probs = self._topk(out, step=0)
         for i, ex in enumerate(extends):
             ex.request.draft_kv_len = ex.start + q_lens[i]  # draft KV valid below (a prefix cache reads it)
-            if ex.at_end:
-                ex.request.spec_state = DraftState(top_ids[i].tolist(), top_probs[i].tolist(), out[i])
+        # the head and top-k only where a proposal is refreshed: a mid-prompt chunk, or a finishing request's
+        # settle (SpecRunner.settle_draft_kv), writes KV alone (the head is half of a one-layer draft's weights)
+        ends = [i for i, ex in enumerate(extends) if ex.at_end]
+        if ends:
+            top_ids, top_probs = self._topk(out[ends], step=0)
+            for j, i in enumerate(ends):
+                extends[i].request.spec_state = DraftState(top_ids[j].tolist(), top_probs[j].tolist(), out[i])
 
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         """plans: (num_steps, num_draft_tokens) per request (adaptive speculation; 0 steps = root only)."""

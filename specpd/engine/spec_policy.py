@@ -23,8 +23,8 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      (SpecRunner keeps the features), so a useless draft costs nothing per step. Probes draw on an
      engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
      while its gain is one request's, so at batch 16 sixteen requests probing on their own schedules
-     would cost far more than one does at batch 1. A request whose draft is in step (its first round: the
-     prefill's extend, or under PD the handoff's, left nothing deferred) shadow-probes for free.
+     would cost far more than one does at batch 1. A request whose draft is in step (nothing deferred: after
+     a speculating round, or under PD the handoff's extend) shadow-probes for free.
   4b. What the deferred tokens cost: where the engine runs every request's deferred extends when it finishes
      anyway (`catch_up_settled`: the prefix cache keeps draft KV valid over all a request committed,
      LLMEngine._finish), a catch-up moves work earlier and adds at most one draft forward, so neither a probe
@@ -33,6 +33,13 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      price grew a row a round; with the draft priced at a busy box's startup reading (0.3-0.9 ms a row) that
      outgrew what the budget saves (0.5% of a ~47 ms round, at most 64 rounds' worth), and the request, and
      with it the engine-wide estimate, stayed at depth 0 (a decode server that never speculated, issue 31).
+  4c. The prompt's extend is deferred too (SpecRunner._prompt_extend_now; not with a frozen policy, nor on a PD
+     prefill server): it runs with the request's first catch-up or its settle, so a request that never
+     speculates costs one draft forward, not two (at batch 8 in a closed loop of chat clients, where speculation
+     does not pay, the two were ~2% of the spec server's time). Its rows are charged to no decision (`unpriced`):
+     the eager extend paid them before any decision, and charging them would keep a new request from ever
+     speculating where the engine does not settle. A request with its prompt waiting is not in step (its
+     shadow probe waits for its interval) and its probe is charged one draft forward, as a settled catch-up.
   5. What a speculating round costs outside the target forward is measured each round in two parts: its
      draft work (catch-up, proposal, extend) against what the cost model predicted for its draft forwards,
      whose ratio scales the draft costs from then on (`CostModel.draft_scale`), and the rest (trees, verify,
@@ -127,10 +134,11 @@ class AdaptivePolicy(AcceptanceEstimates):
 
     # -- the plan ---------------------------------------------------------------------------
     def plan(self, request_ids: list[str], other_requests: int = 0, other_rows: int = 0,
-             pending: list[int] | None = None) -> list[tuple[int, int]]:
+             pending: list[int] | None = None, unpriced: list[int] | None = None) -> list[tuple[int, int]]:
         """(num_steps, num_draft_tokens) per request; (0, 1) = plain decode. other_*: prefill items
         sharing the target forward; pending: each request's deferred draft-extend tokens (the catch-up
-        it runs if it speculates now)."""
+        it runs if it speculates now); unpriced: its deferred prompt-extend tokens, run with the catch-up but
+        charged to no decision (4c)."""
         n = len(request_ids)
         if n == 0:
             return []
@@ -138,16 +146,18 @@ class AdaptivePolicy(AcceptanceEstimates):
         pending = deferred or [0] * n
         # what the decisions charge for the catch-ups (4b); `pending` itself is what the round will run
         priced = [0] * n if self.catch_up_settled else pending
+        # what a catch-up now runs (4c: the prompt's rows too); `deferred` stays what probes are charged
+        waiting = pending if unpriced is None else [p + u for p, u in zip(pending, unpriced)]
         if other_requests and not self.frozen:  # a round with a prefill chunk: depth 0 (module docstring, 7)
             self.shadow_probes = []
-            return self._finish_plan(request_ids, [0] * n, None, pending, (priced, other_requests, other_rows))
+            return self._finish_plan(request_ids, [0] * n, None, waiting, (priced, other_requests, other_rows))
         key = (tuple(request_ids), other_requests, other_rows, self._observed)
         if self._idle_holds(key, priced):
             # nothing an estimate or a price depends on moved since a search put everyone at depth 0, and the
             # catch-ups only grew (every option's cost grows with them): the search would say depth 0 again
             depth = [0] * n
-            gains = self._probe(request_ids, depth, (None, priced, other_requests, other_rows), deferred)
-            return self._finish_plan(request_ids, depth, gains, pending, (priced, other_requests, other_rows))
+            gains = self._probe(request_ids, depth, (None, priced, other_requests, other_rows), deferred, waiting)
+            return self._finish_plan(request_ids, depth, gains, waiting, (priced, other_requests, other_rows))
         # an option k: depth k at full width, -k: depth k narrow; gains[i][k] indexes both (a narrow
         # depth's expectation sits at the list's end, so gains[i][-k] is it)
         gains = self._gains(request_ids)
@@ -195,8 +205,8 @@ class AdaptivePolicy(AcceptanceEstimates):
             lam = max(lam, sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra))
         if sum(g[k] for g, k in zip(gains, depth)) / self._round_time(depth, *extra) <= n / base_time:
             depth = [0] * n
-        self._probe(request_ids, depth, extra, deferred)
-        return self._finish_plan(request_ids, depth, gains, pending, (priced, other_requests, other_rows))
+        self._probe(request_ids, depth, extra, deferred, waiting)
+        return self._finish_plan(request_ids, depth, gains, waiting, (priced, other_requests, other_rows))
 
     def _idle_holds(self, key: tuple, pending: list[int]) -> bool:
         """The last all-zero plan still stands: same requests, batch and outcomes seen, no catch-up shorter, and
@@ -229,12 +239,12 @@ class AdaptivePolicy(AcceptanceEstimates):
                      for g, r in zip(gains, request_ids)]
         return gains
 
-    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple, pending: list[int] | None
-               ) -> list[list[float]] | None:
+    def _probe(self, request_ids: list[str], depth: list[int], extra: tuple, pending: list[int] | None,
+               waiting: list[int]) -> list[list[float]] | None:
         """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
         engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only); with
-        shadow probes, a request whose draft is in step (nothing pending) probes whenever it is at depth 0:
-        its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after the idle
+        shadow probes, a request whose draft is in step (nothing `waiting`, its prompt included) probes whenever
+        it is at depth 0: its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after the idle
         shortcut had to compute."""
         ready = []
         for i, rid in enumerate(request_ids):
@@ -242,7 +252,7 @@ class AdaptivePolicy(AcceptanceEstimates):
             st.probing = False
             if depth[i] == 0:
                 st.idle_rounds += 1
-                if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and pending[i] == 0):
+                if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and waiting[i] == 0):
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:
                 st.idle_rounds = 0
@@ -254,7 +264,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         for _, i, st in sorted(ready, key=lambda r: -r[0]):
             if self.shadow:  # the catch-up extend alone
                 if not self.frozen:
-                    cost = self._catch_up_cost(pending[i] if pending is not None else None)
+                    cost = self._catch_up_cost(pending[i] if pending is not None else None, waiting[i])
                     if cost > self.probe_credit:
                         continue  # stays ready: it probes once the budget allows
                     self.probe_credit -= cost
@@ -276,15 +286,16 @@ class AdaptivePolicy(AcceptanceEstimates):
             st.probing, st.idle_rounds = True, 0
         return extra[0]
 
-    def _catch_up_cost(self, pending: int | None) -> float:
-        """What bringing a request's draft in step before this round adds: nothing when nothing is deferred;
-        one more draft forward where the engine settles every catch-up anyway (4b) or the caller tracks none
-        (None); else the deferred rows (and, as a round's own extend would, this round's)."""
+    def _catch_up_cost(self, pending: int | None, waiting: int = 0) -> float:
+        """What bringing a request's draft in step before this round adds: nothing when nothing waits (`waiting`:
+        the deferred rows, the prompt's included); one more draft forward where the engine settles every
+        catch-up anyway (4b), the caller tracks none (None) or only the prompt's rows wait (4c); else the
+        deferred rows (and, as a round's own extend would, this round's)."""
         if pending is None:
             return self.cost.draft(1)
-        if pending <= 0:
+        if max(pending, waiting) <= 0:
             return 0.0
-        if self.catch_up_settled:
+        if self.catch_up_settled or pending <= 0:
             return self.cost.draft(1)
         return self.cost.draft(pending + 1)
 

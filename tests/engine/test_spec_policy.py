@@ -243,6 +243,27 @@ def test_deferred_catch_up_counts_against_speculating():
     assert policy.plan(["a"], pending=[200])[0][0] == 0
 
 
+def test_a_deferred_prompt_is_charged_to_no_decision_but_a_probe_pays_it():
+    """The prompt's deferred draft extend (`unpriced`) runs with the catch-up but was paid before any decision
+    when the extend ran at prefill: a marginal depth still pays with 200 prompt tokens deferred, where 200 decode
+    tokens deferred keep it at depth 0. A request with only its prompt deferred is not in step: its shadow
+    probe waits for its interval and is charged one draft forward from the budget."""
+    policy = policy_with(memory_bound(), rate=0.3)
+    assert policy.plan(["a"], pending=[0], unpriced=[200])[0][0] >= 1
+    assert policy.plan(["a"], pending=[200], unpriced=[0])[0][0] == 0
+    useless = policy_with(memory_bound(), rate=0.0)
+    useless.shadow = True
+    useless.frozen = False
+    useless.probe_credit = 1.0  # budget for anything: what is checked is when a probe is ready
+    useless.plan(["a"], pending=[0], unpriced=[200])
+    assert useless.shadow_probes == []  # in step it would probe at once, for free
+    credit = useless.probe_credit
+    for _ in range(useless._get("a").probe_every - 1):
+        useless.plan(["a"], pending=[0], unpriced=[200])
+    assert useless.shadow_probes == ["a"]
+    assert credit - useless.probe_credit > 0.9 * useless.cost.draft(1)
+
+
 def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
     """An n-gram drafter has no draft forward; what its speculating requests add outside the target (proposal,
     tree, verify) is measured per speculating request and makes a marginal speculation not pay."""

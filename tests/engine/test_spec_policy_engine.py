@@ -1,6 +1,7 @@
 """Adaptive speculation in the engine, on a tiny target: lossless, a useless draft goes quiet and stops paying
 its extend, a good one speculates deep (the policy on synthetic tables: test_spec_policy.py)."""
 import pytest
+import torch
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
@@ -83,3 +84,80 @@ def test_adaptive_eagle_tree_is_lossless(tiny, tmp_path):
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
+
+
+def _draft_kv(eng, req, n):
+    """[layers, 2, n, kv_heads, dim]: the draft's K/V at positions 0..n-1 of a request."""
+    pool, ps = eng.spec_runner.proposer.pool, eng.runner.kv_pool.page_size
+    pages = torch.tensor([req.pages[p // ps] for p in range(n)])
+    offsets = torch.arange(n) % ps
+    return torch.stack([torch.stack([pool.k_cache(layer)[pages, offsets], pool.v_cache(layer)[pages, offsets]])
+                        for layer in range(pool.num_layers)])
+
+
+def test_the_prompt_extend_waits_for_the_first_catch_up_and_computes_the_same(tiny, tmp_path):
+    """Under the adaptive policy as served (not frozen) a prompt's draft extend, chunk by chunk, waits with the
+    request's deferred extends and runs with its first catch-up as one slice: the draft KV over the prompt and
+    the first proposal equal what the eager extend (a frozen policy's, after each chunk) computed."""
+    path, _ = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=5)
+    spec = SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True, spec_ngram=False)
+    eager, lazy = engine(path, spec), engine(path, spec)
+    lazy.spec_runner.policy.frozen = False
+    prompt = PROMPTS[1]  # 37 tokens: five chunks of 8
+    reqs = {}
+    for name, eng in (("eager", eager), ("lazy", lazy)):
+        reqs[name] = eng.add_request("r", prompt, GREEDY)
+        while not reqs[name].output_token_ids:
+            eng.step()
+    assert reqs["eager"].output_token_ids == reqs["lazy"].output_token_ids
+    assert reqs["eager"].draft_kv_len == len(prompt) and lazy.spec_runner._prompt_pending["r"] == len(prompt)
+    assert reqs["lazy"].draft_kv_len == 0 and reqs["lazy"].spec_state is None
+    with torch.inference_mode():
+        lazy.spec_runner._catch_up([reqs["lazy"]])
+    assert reqs["lazy"].draft_kv_len == len(prompt) and not lazy.spec_runner._deferred
+    torch.testing.assert_close(_draft_kv(lazy, reqs["lazy"], len(prompt)),
+                               _draft_kv(eager, reqs["eager"], len(prompt)), rtol=1e-5, atol=1e-5)
+    a, b = reqs["eager"].spec_state, reqs["lazy"].spec_state
+    assert a.topk_ids == b.topk_ids
+    torch.testing.assert_close(torch.tensor(b.topk_probs), torch.tensor(a.topk_probs), rtol=1e-4, atol=1e-6)
+    for eng in (eager, lazy):
+        eng.abort_request("r")
+        eng.step()
+        assert eng.free_pages == NUM_PAGES
+
+
+def test_a_request_that_never_speculates_costs_one_draft_forward_its_settle(tiny, tmp_path):
+    """With every round at depth 0 and no probe, a request's only draft forward is the settle at its finish, over
+    its prompt and output in one slice and without the draft head (no proposal is refreshed); the prefix cache
+    then keeps its full pages with valid draft KV, and a rerun of the same prompts hits them."""
+    path, expected = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
+    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True,
+                                  spec_ngram=False))
+    runner, policy = eng.spec_runner, eng.spec_runner.policy
+    policy.frozen = False
+    real_plan = policy.plan
+
+    def depth_zero(request_ids, *args):
+        real_plan(request_ids, *args)
+        policy.shadow_probes = []
+        return [(0, 1)] * len(request_ids)
+    policy.plan = depth_zero
+    calls, heads = [], []
+    real_extend, real_logits = runner.proposer.extend, runner.proposer.draft.compute_logits
+    runner.proposer.extend = lambda exts: (calls.append([(e.request.request_id, e.start, len(e.token_ids), e.at_end)
+                                                         for e in exts]), real_extend(exts))[1]
+    runner.proposer.draft.compute_logits = lambda *a, **k: (heads.append(1), real_logits(*a, **k))[1]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    slices = [s for call in calls for s in call]
+    assert sorted(rid for rid, *_ in slices) == sorted(o.request_id for o in outs)  # one slice per request
+    for o in outs:
+        (start, n, at_end), = [s[1:] for s in slices if s[0] == o.request_id]
+        assert (start, n, at_end) == (0, o.num_prompt_tokens + len(o.token_ids) - 1, False)
+    assert not heads and not runner._deferred and not runner._prompt_pending
+    assert eng.free_pages == NUM_PAGES and eng.prefix_cache.num_cached > 0
+    again = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in again] == expected
+    assert sum(o.num_cached_tokens for o in again) > 0

@@ -9,10 +9,10 @@ The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one 
 or with `--closed-loop N`, N prompts through `--batch` clients (the next added as one finishes: arrivals and
 finishes spread over the rounds, as a served benchmark's, and the ratio is every output token over all step time).
 A config named `<config>_eager` is that config with every prompt's draft extend run at once (SpecRunner's
-`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle). Each engine's
-step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends, and the
-finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON holds
-their milliseconds per engine step, the share of rounds at depth 0 and each rep's decode tok/s ratio to
+`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle).
+Each engine's step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends,
+and the finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON
+holds their milliseconds per engine step, the share of rounds at depth 0 and each rep's tok/s ratio to
 non-spec. The parts nest (a plain round holds its target forward, which holds the model forward), so they
 do not add up to the step.
 """

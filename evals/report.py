@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from evals.report_tables import (acceptance, attention, gpu, offline, pd, pd_ttft, peers, peers_spec,
+from evals.report_tables import (acceptance, attention, gpu, hf_generate, offline, pd, pd_ttft, peers, peers_spec,
                                  prefix, profile_depth0, profile_step, soak, spec_workloads, structured, tp,
                                  tp_matrix)
 
@@ -88,6 +88,8 @@ RESULTS = [
            "the shipped head, n-gram; bf16 and fp32; chat and grounded rewrite; concurrency 1, 8, 32", peers),
     Result("peers_spec.json", "bench_peers.py", "EAGLE-3 with the defaults against plain, through the server "
            "(issue 32's target)", peers_spec),
+    Result("hf_generate.json", "bench_hf.py", "plain decoding against HF transformers' `generate`, one request at "
+           "a time, same weights", hf_generate),
     Result("profile_step.json", "profile_step.py", "one decode / verify step against the floor (bytes a step "
            "must read over the measured bandwidth)", profile_step),
     Result("spec_workloads.json", "bench_spec.py", "speculation over plain in the engine, engines in lockstep "

@@ -58,6 +58,15 @@ def peers_spec(d: dict) -> str:
                   rows)
 
 
+def hf_generate(d: dict) -> str:
+    rows = [[name, _f(c["specpd_decode_tok_s"], 1), _f(c["hf_decode_tok_s"], 1),
+             _f(c["ratio_median"], 2, "×") + _spread(c["ratio_spread"], 2),
+             f"{c['greedy_tokens_equal']} / {c['prompts']}"]
+            for name, c in d["dtypes"].items()]
+    return _table(["dtype", "specpd decode tok/s", "HF generate tok/s", "specpd over HF (per prompt)",
+                   "greedy tokens equal"], rows)
+
+
 def spec_workloads(d: dict) -> str:
     rows = []
     for cell, configs in d["runs"].items():

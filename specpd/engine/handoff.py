@@ -68,7 +68,10 @@ class HandoffHooks:
         if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
             gen.set_state(sampler_state)
         if needs_hidden and draft_state is None:
-            self._draft_extend_prompt(req, handoff_token, target_hidden, draft_start)
+            shifted = req.prompt_token_ids[draft_start + 1:] + [handoff_token]
+            ext = DraftExtend(req, draft_start, shifted, target_hidden.to(self.runner.device), at_end=True)
+            if not self.spec_runner.defer_prompt(ext):  # waits for the first catch-up, as a colocated prompt's
+                self._draft_extend_prompt(req, handoff_token, target_hidden, draft_start)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         self.scheduler.add_running(req)

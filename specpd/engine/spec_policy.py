@@ -244,8 +244,8 @@ class AdaptivePolicy(AcceptanceEstimates):
         """Requests idle for their probe interval try depth 1 (in place), the longest idle first, while the
         engine-wide budget lasts (frozen: no budget, so a request's plan depends on its history only); with
         shadow probes, a request whose draft is in step (nothing `waiting`, its prompt included) probes whenever
-        it is at depth 0: its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after the idle
-        shortcut had to compute."""
+        it is at depth 0: its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after
+        the idle shortcut had to compute."""
         ready = []
         for i, rid in enumerate(request_ids):
             st = self._get(rid)

@@ -29,24 +29,16 @@ from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import compute_logprobs, process_logits, sample
 from specpd.engine.spec_calibration import calibrate
 from specpd.engine.spec_cost import CostModel
+from specpd.engine.spec_defer import DeferredExtends
 from specpd.engine.spec_policy import AdaptivePolicy
 from specpd.engine.spec_verify import TreeVerifier, top_path_length
 
-# a request's deferred prompt extend runs at once past this many tokens of target features kept (EAGLE-3: 3 hidden
-# states a token, ~14 MB at 4096 tokens of SmolLM2 in bf16)
-DEFER_PROMPT_TOKENS = 4096
-
-
-class SpecRunner(TreeVerifier):
+class SpecRunner(TreeVerifier, DeferredExtends):
     def __init__(self, runner: ModelRunner, proposer: Proposer, policy: AdaptivePolicy | None = None):
         self.runner = runner
         self.proposer = proposer
         self.policy = policy  # None: every request drafts the proposer's full shape every round
-        # request id -> draft extends not run yet (adaptive: the request did not speculate since)
-        self._deferred: dict[str, list[DraftExtend]] = {}
-        self._pending: dict[str, int] = {}  # request id -> tokens in its deferred decode extends (priced)
-        self._prompt_pending: dict[str, int] = {}  # request id -> tokens in its deferred prompt extends (unpriced)
-        self.defer_prompt_tokens = DEFER_PROMPT_TOKENS  # (0: every prompt extend at once, as before; evals compare)
+        DeferredExtends.__init__(self)
         # the last decode round, read when the next one starts (`_observe_cycle`): (start, requests, speculated,
         # seconds of its execute)
         self._last_round: tuple[float, int, bool, float] | None = None
@@ -70,7 +62,7 @@ class SpecRunner(TreeVerifier):
         items = batch.items
         decode = [it for it in items if it.spec_decode]
         requests = [it.request for it in decode]
-        plans, shadow = None, set()
+        plans, shadow, prompt_catch_up = None, set(), False
         t_round = time.perf_counter()
         self._observe_cycle(t_round)
         draft_s = 0.0  # the round's draft work (catch-up, proposal, extend): CostModel.observe_round splits by it
@@ -80,8 +72,12 @@ class SpecRunner(TreeVerifier):
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending, [self._prompt_pending.get(r.request_id, 0) for r in requests])
             shadow = set(policy.shadow_probes)  # at depth 0, their drafts caught up: a shadow probe each
+            catching = [r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow]
+            # a prompt's deferred extend (unpriced) in the catch-up: work the eager extend did at prefill, not what
+            # this round's speculation costs, so the round is not read (observe_round, observe_round_time)
+            prompt_catch_up = any(self._prompt_pending.get(r.request_id) for r in catching)
             t0 = time.perf_counter()
-            self._catch_up([r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow])
+            self._catch_up(catching)
             draft_s = time.perf_counter() - t0
             if not any(steps for steps, _ in plans):
                 return self._plain_round(batch, suppress, t_round, shadow)
@@ -162,7 +158,7 @@ class SpecRunner(TreeVerifier):
             self.proposer.extend(extends)
             draft_s += time.perf_counter() - t0
         # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
-        if plans is not None and len(decode) == len(items) and not shadow:
+        if plans is not None and len(decode) == len(items) and not shadow and not prompt_catch_up:
             speculating = sum(1 for steps, _ in plans if steps > 0)
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
                                       policy.last_draft_s, speculating,
@@ -258,64 +254,6 @@ class SpecRunner(TreeVerifier):
         features = torch.cat(captured, dim=-1) if aux else hidden  # what the draft consumes
         logits = runner.model.compute_logits(hidden[logit_rows]) if logit_rows else hidden.new_zeros(0, 0)
         return hidden, features, logits
-
-    @torch.inference_mode()
-    def settle_draft_kv(self, requests: list) -> None:
-        """Finishing requests' deferred draft extends, run now (one batch) so their draft KV is valid over
-        everything they committed: the prefix cache then keeps all their full pages, not only those
-        before their last draft. KV only: no proposal is refreshed for a request that has finished."""
-        self._catch_up([r for r in requests if r.request_id in self._deferred], refresh=False)
-
-    def _prompt_extend_now(self, ext: DraftExtend, it: ScheduledItem) -> DraftExtend | None:
-        """A prefill chunk's draft extend: None when deferred, else what to run in this round's extend.
-
-        Under the adaptive policy (not frozen) the prompt's extend waits with the request's deferred decode
-        extends for its first speculating round, a shadow probe, or the settle at its finish, whichever comes
-        first, in one draft forward: a request that never speculates (a batch where speculation does not pay)
-        then costs one draft forward, not two, and the first token does not wait for the draft. Not on a PD
-        prefill server (its handoff carries the draft's proposal), nor past `defer_prompt_tokens` of features
-        kept; a frozen policy keeps the eager extend, so its rounds equal a PD decode server's exactly."""
-        req = it.request
-        rid = req.request_id
-        parts = self._deferred.get(rid)
-        if parts and parts[-1].start + len(parts[-1].token_ids) != it.start:
-            self._drop_deferred(rid)  # a recompute (after preemption) starts over
-            parts = None
-        policy = self.policy
-        if policy is None or policy.frozen or not self.proposer.needs_hidden or req.prefill_only:
-            return ext if parts is None else self._merged(self._defer(ext, priced=False), refresh=ext.at_end)
-        self._defer(ext, priced=False)
-        if self._pending.get(rid, 0) + self._prompt_pending[rid] <= self.defer_prompt_tokens:
-            return None
-        return self._merged(rid, refresh=ext.at_end)
-
-    def _defer(self, ext: DraftExtend, priced: bool = True) -> str:
-        rid = ext.request.request_id
-        self._deferred.setdefault(rid, []).append(ext)
-        counts = self._pending if priced else self._prompt_pending
-        counts[rid] = counts.get(rid, 0) + len(ext.token_ids)
-        return rid
-
-    def _drop_deferred(self, request_id: str) -> list[DraftExtend] | None:
-        self._pending.pop(request_id, None)
-        self._prompt_pending.pop(request_id, None)
-        return self._deferred.pop(request_id, None)
-
-    def _merged(self, request_id: str, refresh: bool = True) -> DraftExtend | None:
-        """A request's deferred extends as one slice (they are consecutive), taken off the deferred."""
-        parts = self._drop_deferred(request_id)
-        if not parts:
-            return None
-        tokens = [t for p in parts for t in p.token_ids]
-        return DraftExtend(parts[0].request, parts[0].start, tokens, torch.cat([p.hidden for p in parts]),
-                           at_end=refresh)
-
-    def _catch_up(self, requests, refresh: bool = True) -> None:
-        """Run the deferred draft extends of requests about to draft (refresh: their proposals too), one slice per
-        request."""
-        extends = [ext for req in requests if (ext := self._merged(req.request_id, refresh)) is not None]
-        if extends:
-            self.proposer.extend(extends)
 
     # -- per item ---------------------------------------------------------------------------
     def _prefill(self, it: ScheduledItem, logits, features, suppress):

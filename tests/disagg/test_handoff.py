@@ -219,3 +219,41 @@ def test_a_committed_handoff_plans_the_unified_engines_rounds_with_the_policy_as
     finally:
         p.close()
         d.close()
+
+
+def test_a_decode_only_handoffs_prompt_extend_waits_as_a_colocated_prompts(spec_model_dir, tmp_path):
+    """Draft-on-decode-only under the adaptive policy as served: the draft extend over the prompt's target
+    features waits at commit as a colocated prefill's does (SpecRunner.defer_prompt), and the first catch-up
+    computes the draft KV and proposal a frozen policy's eager extend at commit does."""
+    from specpd.draft.loader import random_draft_checkpoint
+    cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
+    random_draft_checkpoint(str(tmp_path), "eagle3", cfg, seed=4)
+    spec = SpecConfig("eagle3", draft_model=str(tmp_path), draft_mode="decode-only", spec_adaptive_pinned=True,
+                      spec_ngram=False)
+    eager, lazy = make_engine(spec_model_dir, spec=spec), make_engine(spec_model_dir, spec=spec)
+    lazy.spec_runner.policy.frozen = False
+    prompt = list(range(40, 61))
+    features = torch.randn(len(prompt), 3 * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    calls = []
+    real_extend = lazy.spec_runner.proposer.extend
+    lazy.spec_runner.proposer.extend = lambda exts: (calls.append(len(exts)), real_extend(exts))[1]
+    reqs = {}
+    for name, eng in (("eager", eager), ("lazy", lazy)):
+        pages = eng.scheduler.allocator.alloc(-(-len(prompt) // 4))
+        reqs[name] = eng.add_prebuilt_request("r", prompt, GREEDY, pages, 7, None, target_hidden=features)
+    assert reqs["eager"].draft_kv_len == len(prompt) and reqs["eager"].spec_state is not None
+    assert not calls and reqs["lazy"].draft_kv_len == 0 and lazy.spec_runner._prompt_pending["r"] == len(prompt)
+    with torch.inference_mode():
+        lazy.spec_runner._catch_up([reqs["lazy"]])
+    assert calls == [1] and reqs["lazy"].draft_kv_len == len(prompt)
+    a, b = reqs["eager"], reqs["lazy"]
+    for layer in range(eager.spec_runner.proposer.pool.num_layers):
+        for cache in ("k_cache", "v_cache"):
+            torch.testing.assert_close(getattr(lazy.spec_runner.proposer.pool, cache)(layer)[b.pages],
+                                       getattr(eager.spec_runner.proposer.pool, cache)(layer)[a.pages])
+    assert a.spec_state.topk_ids == b.spec_state.topk_ids
+    for eng in (eager, lazy):
+        eng.abort_request("r")
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng.free_pages == 64

@@ -244,24 +244,17 @@ def test_deferred_catch_up_counts_against_speculating():
 
 
 def test_a_deferred_prompt_is_charged_to_no_decision_but_a_probe_pays_it():
-    """The prompt's deferred draft extend (`unpriced`) runs with the catch-up but was paid before any decision
-    when the extend ran at prefill: a marginal depth still pays with 200 prompt tokens deferred, where 200 decode
-    tokens deferred keep it at depth 0. A request with only its prompt deferred is not in step: its shadow
-    probe waits for its interval and is charged one draft forward from the budget."""
+    """A deferred prompt extend (`unpriced`, paid at prefill when eager) is charged to no decision, 200 decode
+    tokens are; a request with it waiting is not in step: its shadow probe waits and pays one draft forward."""
     policy = policy_with(memory_bound(), rate=0.3)
     assert policy.plan(["a"], pending=[0], unpriced=[200])[0][0] >= 1
     assert policy.plan(["a"], pending=[200], unpriced=[0])[0][0] == 0
     useless = policy_with(memory_bound(), rate=0.0)
-    useless.shadow = True
-    useless.frozen = False
-    useless.probe_credit = 1.0  # budget for anything: what is checked is when a probe is ready
-    useless.plan(["a"], pending=[0], unpriced=[200])
-    assert useless.shadow_probes == []  # in step it would probe at once, for free
-    credit = useless.probe_credit
-    for _ in range(useless._get("a").probe_every - 1):
-        useless.plan(["a"], pending=[0], unpriced=[200])
-    assert useless.shadow_probes == ["a"]
-    assert credit - useless.probe_credit > 0.9 * useless.cost.draft(1)
+    useless.shadow, useless.frozen, useless.probe_credit = True, False, 1.0  # (budget for a probe: not what is checked)
+    plans = [(useless.plan(["a"], pending=[0], unpriced=[200]), useless.shadow_probes, useless.probe_credit)
+             for _ in range(useless._get("a").probe_every)]
+    assert [p[1] for p in plans] == [[]] * (len(plans) - 1) + [["a"]]  # in step it would probe at once, for free
+    assert plans[-2][2] - plans[-1][2] > 0.9 * useless.cost.draft(1)
 
 
 def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():

@@ -101,7 +101,8 @@ def test_the_prompt_extend_waits_for_the_first_catch_up_and_computes_the_same(ti
     the first proposal equal what the eager extend (a frozen policy's, after each chunk) computed."""
     path, _ = tiny
     random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=5)
-    spec = SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True, spec_ngram=False)
+    spec = SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True,
+                      spec_ngram=False)
     eager, lazy = engine(path, spec), engine(path, spec)
     lazy.spec_runner.policy.frozen = False
     prompt = PROMPTS[1]  # 37 tokens: five chunks of 8

@@ -1,0 +1,104 @@
+"""The draft extends a request has not run yet (SpecRunner's bookkeeping; spec_policy.py 4, 4b, 4c say when).
+
+Under the adaptive policy an EAGLE-family request's draft extend waits:
+  - a round's extend while the request is at depth 0 (a plain step, or a depth-0 request in a speculating round),
+    its target features kept (`_defer`: priced, what speculating again would add);
+  - its prompt's extend, chunk by chunk (`_prompt_extend_now`; a PD decode server's in draft-on-decode-only mode,
+    `defer_prompt`): unpriced, work the eager extend did at prefill. Not with a frozen policy (its rounds then
+    equal a PD decode server's exactly), nor on a PD prefill server (its handoff carries the draft's proposal),
+    nor past `defer_prompt_tokens` of features kept.
+They run as one slice per request (`_merged`, they are consecutive) when the request next speculates or
+shadow-probes (`_catch_up`, its proposal refreshed) or finishes with the prefix cache on (`settle_draft_kv`, KV
+only). A prefill item whose start is not where its deferred extends end is a recompute: they are dropped.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpd.core import ScheduledItem
+from specpd.draft.proposer import DraftExtend
+
+# a request's deferred prompt extend runs at once past this many tokens of target features kept (EAGLE-3: 3 hidden
+# states a token, ~14 MB at 4096 tokens of SmolLM2 in bf16)
+DEFER_PROMPT_TOKENS = 4096
+
+
+class DeferredExtends:
+    """Mixed into SpecRunner, which provides `policy` and `proposer`."""
+
+    def __init__(self):
+        # request id -> draft extends not run yet (adaptive: the request did not speculate since)
+        self._deferred: dict[str, list[DraftExtend]] = {}
+        self._pending: dict[str, int] = {}  # request id -> tokens in its deferred decode extends (priced)
+        self._prompt_pending: dict[str, int] = {}  # request id -> tokens in its deferred prompt extends (unpriced)
+        self.defer_prompt_tokens = DEFER_PROMPT_TOKENS  # (0: every prompt extend at once, as before; evals compare)
+
+    @torch.inference_mode()
+    def settle_draft_kv(self, requests: list) -> None:
+        """Finishing requests' deferred draft extends, run now (one batch) so their draft KV is valid over
+        everything they committed: the prefix cache then keeps all their full pages, not only those
+        before their last draft. KV only: no proposal is refreshed for a request that has finished."""
+        self._catch_up([r for r in requests if r.request_id in self._deferred], refresh=False)
+
+    def _prompt_extend_now(self, ext: DraftExtend, it: ScheduledItem) -> DraftExtend | None:
+        """A prefill chunk's draft extend: None when deferred, else what to run in this round's extend.
+
+        Where `defers_prompts`, the prompt's extend waits with the request's deferred decode extends for its first
+        speculating round, a shadow probe, or the settle at its finish, whichever comes first, in one draft
+        forward: a request that never speculates (a batch where speculation does not pay) then costs one draft
+        forward, not two, and the first token does not wait for the draft."""
+        rid = it.request.request_id
+        parts = self._deferred.get(rid)
+        if parts and parts[-1].start + len(parts[-1].token_ids) != it.start:
+            self._drop_deferred(rid)  # a recompute (after preemption) starts over
+            parts = None
+        if parts is None and not self.defers_prompts(it.request):
+            return ext
+        self._defer(ext, priced=False)
+        if self.defers_prompts(it.request) and self._pending.get(rid, 0) + self._prompt_pending[rid] <= \
+                self.defer_prompt_tokens:
+            return None
+        return self._merged(rid, refresh=ext.at_end)
+
+    def defers_prompts(self, request) -> bool:
+        """Whether `request`'s prompt extend waits (`_prompt_extend_now`; a PD decode server's handoff in
+        draft-on-decode-only mode too, HandoffHooks)."""
+        policy = self.policy
+        return (policy is not None and not policy.frozen and self.proposer.needs_hidden and not request.prefill_only)
+
+    def defer_prompt(self, ext: DraftExtend) -> bool:
+        """A PD decode server's prompt extend (draft-on-decode-only, at the handoff's commit): deferred as a
+        colocated prefill's would be (True), or for the caller to run now."""
+        if not self.defers_prompts(ext.request) or len(ext.token_ids) > self.defer_prompt_tokens:
+            return False
+        self._drop_deferred(ext.request.request_id)
+        self._defer(ext, priced=False)
+        return True
+
+    def _defer(self, ext: DraftExtend, priced: bool = True) -> str:
+        rid = ext.request.request_id
+        self._deferred.setdefault(rid, []).append(ext)
+        counts = self._pending if priced else self._prompt_pending
+        counts[rid] = counts.get(rid, 0) + len(ext.token_ids)
+        return rid
+
+    def _drop_deferred(self, request_id: str) -> list[DraftExtend] | None:
+        self._pending.pop(request_id, None)
+        self._prompt_pending.pop(request_id, None)
+        return self._deferred.pop(request_id, None)
+
+    def _merged(self, request_id: str, refresh: bool = True) -> DraftExtend | None:
+        """A request's deferred extends as one slice (they are consecutive), taken off the deferred."""
+        parts = self._drop_deferred(request_id)
+        if not parts:
+            return None
+        tokens = [t for p in parts for t in p.token_ids]
+        return DraftExtend(parts[0].request, parts[0].start, tokens, torch.cat([p.hidden for p in parts]),
+                           at_end=refresh)
+
+    def _catch_up(self, requests, refresh: bool = True) -> None:
+        """Run the deferred draft extends of requests about to draft (refresh: their proposals too), one slice per
+        request."""
+        extends = [ext for req in requests if (ext := self._merged(req.request_id, refresh)) is not None]
+        if extends:
+            self.proposer.extend(extends)

@@ -160,7 +160,8 @@ def profile_depth0(d: dict) -> str:
         r, ms = sorted(c["ratio_vs_non_spec"]), c["ms_per_step"]
         rows.append([name, _f(r[len(r) // 2], 3, "×") + _spread([r[0], r[-1]], 3), _f(ms["step"], 1),
                      _f(ms.get("draft_extend"), 2), _f(ms.get("policy_plan"), 2), _f(c.get("rounds_off_share"))])
-    return _table(["config", "decode tok/s vs non-spec", "step ms", "draft extends ms", "policy ms",
+    rate = "tok/s (closed loop)" if d["meta"]["args"].get("closed_loop") else "decode tok/s"
+    return _table(["config", f"{rate} vs non-spec", "step ms", "draft extends ms", "policy ms",
                    "share of rounds at depth 0"], rows)
 
 

@@ -1,8 +1,7 @@
 """Adaptive speculation's acceptance estimates (spec_policy.py, steps 2 and 3's narrow shape), per request.
 
   2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
-     the engine-wide rate (the prior a new request starts from: the lower of a fast and a slow average), a
-     deeper depth towards the request's
+     the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
      own rate one level up (scaled by the engine-wide trend between the levels).
   3. (the narrow shape) A narrow round's acceptance is read off every verify's accepted path (the leading
      nodes that were their parent's top-ranked child); its prior is the request's full-width rate times
@@ -20,11 +19,6 @@ PRIOR_TOP_PATH = 0.75  # the top path's share of a full tree's conditional accep
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
 DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
-# the same, slow: a new request's depth-1 prior is the lower of the two. The fast rate alone holds the last few
-# requests' acceptance (0.92 after a c1 cell whose last replies repeated themselves, against ~0.7 over it), and a
-# batch of new requests started from it speculated at batch 8, where a round costs twice a plain one, until
-# their own outcomes brought it down (issue 32)
-SLOW_GLOBAL_RATE = 0.02
 PROBE_MIN, PROBE_MAX = 8, 128
 
 
@@ -48,7 +42,6 @@ class AcceptanceEstimates:
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.frozen = frozen
         self.global_accept = [PRIOR_ACCEPT] * num_steps
-        self.slow_accept = [PRIOR_ACCEPT] * num_steps  # (SLOW_GLOBAL_RATE)
         # the narrow shape's prior: how often the top path reaches depth d + 1 when the full tree does, read off
         # the same full-width rounds (paired, so which requests speculate biases neither side); a request's narrow
         # estimate starts from its own full-width estimate scaled by it (the engine-wide narrow rate would be
@@ -69,8 +62,7 @@ class AcceptanceEstimates:
         return st
 
     def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
-        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate (the lower of the fast and
-        the slow one: an optimistic prior costs a batch of new requests rounds that do not pay); a deeper depth's is
+        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate; a deeper depth's is
         this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
         request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
         tried yet, and one that fails early is not. narrow: the top path's, whose prior at each depth is
@@ -82,7 +74,7 @@ class AcceptanceEstimates:
             return [(acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT)
                     for acc, att, prior in zip(st.chain_accepted, st.chain_attempted, priors)]
         g = self.global_accept
-        rates, prior = [], min(g[0], self.slow_accept[0])
+        rates, prior = [], g[0]
         for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
             if d > 0:
                 prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
@@ -145,4 +137,3 @@ class AcceptanceEstimates:
             accepted[d] += float(hit)
             if engine_wide is not None and not self.frozen:
                 engine_wide[d] += GLOBAL_RATE * (float(hit) - engine_wide[d])
-                self.slow_accept[d] += SLOW_GLOBAL_RATE * (float(hit) - self.slow_accept[d])

@@ -19,6 +19,11 @@ PRIOR_TOP_PATH = 0.75  # the top path's share of a full tree's conditional accep
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
 DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
+# a new request's depth-1 prior is the lower of that rate and the per-request average (each finished request's
+# whole-life rate, EMA at this step per request): the per-observation rate holds the last request's last rounds
+# (0.92 after a c1 cell whose verifies accepted 0.61 at depth 1), and 8 new requests started from it bet depth
+# 4-5 at batch 8, where such a round costs three plain ones (issue 32)
+REQUEST_RATE = 0.2
 PROBE_MIN, PROBE_MAX = 8, 128
 
 
@@ -30,6 +35,7 @@ class RequestStats:
     # every verify: a round at full width counts the leading accepted nodes that were their parent's top child
     chain_accepted: list[float] = field(default_factory=list)
     chain_attempted: list[float] = field(default_factory=list)
+    lifetime: list[float] = field(default_factory=lambda: [0.0, 0.0])  # depth-1 [accepted, attempted], undecayed
     idle_rounds: int = 0  # consecutive rounds at depth 0
     probe_every: int = PROBE_MIN
     probing: bool = False
@@ -42,6 +48,7 @@ class AcceptanceEstimates:
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.frozen = frozen
         self.global_accept = [PRIOR_ACCEPT] * num_steps
+        self.request_accept = PRIOR_ACCEPT  # depth 1, averaged per finished request (REQUEST_RATE)
         # the narrow shape's prior: how often the top path reaches depth d + 1 when the full tree does, read off
         # the same full-width rounds (paired, so which requests speculate biases neither side); a request's narrow
         # estimate starts from its own full-width estimate scaled by it (the engine-wide narrow rate would be
@@ -62,7 +69,8 @@ class AcceptanceEstimates:
         return st
 
     def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
-        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate; a deeper depth's is
+        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate (the lower of the
+        per-observation and the per-request one, REQUEST_RATE); a deeper depth's is
         this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
         request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
         tried yet, and one that fails early is not. narrow: the top path's, whose prior at each depth is
@@ -74,7 +82,7 @@ class AcceptanceEstimates:
             return [(acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT)
                     for acc, att, prior in zip(st.chain_accepted, st.chain_attempted, priors)]
         g = self.global_accept
-        rates, prior = [], g[0]
+        rates, prior = [], min(g[0], self.request_accept)
         for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
             if d > 0:
                 prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
@@ -119,12 +127,20 @@ class AcceptanceEstimates:
             self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, num_accepted)
             return
         self._count(st.accepted, st.attempted, self.global_accept, proposed_depth, num_accepted)
+        st.lifetime[0] += float(num_accepted > 0)
+        st.lifetime[1] += 1.0
         if top_path is not None and self.narrow_ok:
             self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, top_path)
             if not self.frozen and not shadow:  # a shadow probe tested its top-1 only: not a pair
                 for d in range(proposed_depth):
                     self.top_reach[d] += GLOBAL_RATE * (float(top_path > d) - self.top_reach[d])
                     self.tree_reach[d] += GLOBAL_RATE * (float(num_accepted > d) - self.tree_reach[d])
+
+    def forget(self, request_id: str) -> None:
+        """A request is gone: its whole-life depth-1 rate moves the per-request average (a new request's prior)."""
+        st = self._stats.pop(request_id, None)
+        if st is not None and st.lifetime[1] > 0 and not self.frozen:
+            self.request_accept += REQUEST_RATE * (st.lifetime[0] / st.lifetime[1] - self.request_accept)
 
     def _count(self, accepted: list[float], attempted: list[float], engine_wide: list[float] | None, depth: int,
                num_accepted: int) -> None:

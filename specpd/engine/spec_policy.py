@@ -340,6 +340,6 @@ class AdaptivePolicy(AcceptanceEstimates):
         self.last_extra = None
 
     def release(self, request_id: str) -> None:
-        self._stats.pop(request_id, None)
+        self.forget(request_id)
         self._narrow.pop(request_id, None)
         self._idle = None  # its estimates are gone: a later request under the same id starts from the prior

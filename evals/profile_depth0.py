@@ -116,11 +116,11 @@ def main() -> None:
         totals.clear()
         counts.clear()
     ratios = {n: [] for n in args.configs}
+    rate = "tok_s" if loop else "decode_tok_s"
     differing: dict[str, int] = {}  # reps whose greedy output differed from non-spec's (half precision only)
     for rep in range(args.reps):
         batch = prompts[per_rep * (rep + 1):per_rep * (rep + 2)]
         out = lockstep_run(engines, batch, params, f"rep{rep}", clock, loop)
-        rate = "tok_s" if loop else "decode_tok_s"
         for n in args.configs:
             if out[n]["tokens"] != out["non_spec"]["tokens"]:
                 # fp32 is exact; in half precision a prompt whose cached prefix differs by a page (a spec engine's

@@ -144,11 +144,11 @@ def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params
     included) is what compares, `decode_tok_s` is left out."""
     names = list(engines)
     ids = {n: [f"{tag}-{n}-{i}" for i in range(len(prompts))] for n in names}
-    queued = {n: list(zip(ids[n], prompts)) for n in names}
+    start = concurrency or len(prompts)
+    queued = {n: list(zip(ids[n], prompts))[start:] for n in names}
     for n in names:
-        for rid, p in queued[n][:concurrency or len(prompts)]:
+        for rid, p in zip(ids[n][:start], prompts[:start]):
             engines[n].add_request(rid, p, params)
-        queued[n] = queued[n][concurrency or len(prompts):]
     busy = {n: 0.0 for n in names}  # seconds in this config's steps so far
     ttft = {n: None for n in names}
     first = {n: set() for n in names}

@@ -68,10 +68,7 @@ class HandoffHooks:
         if sampler_state is not None and (gen := self.runner.generator_for(req)) is not None:
             gen.set_state(sampler_state)
         if needs_hidden and draft_state is None:
-            shifted = req.prompt_token_ids[draft_start + 1:] + [handoff_token]
-            ext = DraftExtend(req, draft_start, shifted, target_hidden.to(self.runner.device), at_end=True)
-            if not self.spec_runner.defer_prompt(ext):  # waits for the first catch-up, as a colocated prompt's
-                self._draft_extend_prompt(req, handoff_token, target_hidden, draft_start)
+            self._draft_extend_prompt(req, handoff_token, target_hidden, draft_start)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
                                                          params.skip_special_tokens) if self.tokenizer else None
         self.scheduler.add_running(req)
@@ -89,10 +86,14 @@ class HandoffHooks:
                              first: int = 0) -> None:
         """Draft-on-decode-only: the draft extend the colocated engine runs after each prefill chunk
         (SpecRunner._prefill: tokens x_{s+1}..x_{s+n}, y0 last, with the target features of s..s+n-1), from
-        position `first` (the draft KV before it is in D's cached pages; target_hidden starts there)."""
+        position `first` (the draft KV before it is in D's cached pages; target_hidden starts there). Under the
+        adaptive policy as served it waits for the request's first catch-up, as a colocated prompt's does
+        (SpecRunner.defer_prompt)."""
         n = len(req.prompt_token_ids)
         shifted = req.prompt_token_ids[1:] + [handoff_token]
         hidden = target_hidden.to(self.runner.device)
+        if self.spec_runner.defer_prompt(DraftExtend(req, first, shifted[first:], hidden, at_end=True)):
+            return
         chunk = self.config.scheduler.chunked_prefill_size or n
         with torch.inference_mode():
             for start in range(first, n, chunk):

@@ -52,11 +52,11 @@ class DeferredExtends:
         if parts and parts[-1].start + len(parts[-1].token_ids) != it.start:
             self._drop_deferred(rid)  # a recompute (after preemption) starts over
             parts = None
-        if parts is None and not self.defers_prompts(it.request):
+        defer = self.defers_prompts(it.request)
+        if parts is None and not defer:
             return ext
         self._defer(ext, priced=False)
-        if self.defers_prompts(it.request) and self._pending.get(rid, 0) + self._prompt_pending[rid] <= \
-                self.defer_prompt_tokens:
+        if defer and self._pending.get(rid, 0) + self._prompt_pending[rid] <= self.defer_prompt_tokens:
             return None
         return self._merged(rid, refresh=ext.at_end)
 
@@ -71,7 +71,6 @@ class DeferredExtends:
         colocated prefill's would be (True), or for the caller to run now."""
         if not self.defers_prompts(ext.request) or len(ext.token_ids) > self.defer_prompt_tokens:
             return False
-        self._drop_deferred(ext.request.request_id)
         self._defer(ext, priced=False)
         return True
 

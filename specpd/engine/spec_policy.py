@@ -286,14 +286,14 @@ class AdaptivePolicy(AcceptanceEstimates):
             st.probing, st.idle_rounds = True, 0
         return extra[0]
 
-    def _catch_up_cost(self, pending: int | None, waiting: int = 0) -> float:
+    def _catch_up_cost(self, pending: int | None, waiting: int) -> float:
         """What bringing a request's draft in step before this round adds: nothing when nothing waits (`waiting`:
         the deferred rows, the prompt's included); one more draft forward where the engine settles every
         catch-up anyway (4b), the caller tracks none (None) or only the prompt's rows wait (4c); else the
         deferred rows (and, as a round's own extend would, this round's)."""
         if pending is None:
             return self.cost.draft(1)
-        if max(pending, waiting) <= 0:
+        if waiting <= 0:
             return 0.0
         if self.catch_up_settled or pending <= 0:
             return self.cost.draft(1)

@@ -33,6 +33,7 @@ from specpd.engine.spec_defer import DeferredExtends
 from specpd.engine.spec_policy import AdaptivePolicy
 from specpd.engine.spec_verify import TreeVerifier, top_path_length
 
+
 class SpecRunner(TreeVerifier, DeferredExtends):
     def __init__(self, runner: ModelRunner, proposer: Proposer, policy: AdaptivePolicy | None = None):
         self.runner = runner

@@ -6,7 +6,10 @@ over M rows (1 = decode at batch 1; 2..64 = verify trees and batched decode). Pa
   - x @ W_t over an [in, out] copy (MKL's gemv at one row),
   - oneDNN prepacked (`mkldnn._linear_pointwise` on a weight reordered once; what specpd/kernels/cpu_linear.py
     serves with),
-  - MKL prepacked for that exact M (`mkl._mkl_linear`, fp32; what inductor's freezing uses).
+  - MKL prepacked for that exact M (`mkl._mkl_linear`, fp32; what inductor's freezing uses),
+  - specpd's few-row bf16 kernel (specpd/kernels/cpu_gemm_bf16.py, AVX512-BF16 / AMX CPUs: what cpu_linear.py
+    serves GEMMs of up to `max_rows()` rows with), and the floor: the weights' bytes over the read bandwidth
+    measured on the box (evals/profile_step.py's `read_bandwidth`).
 (The project's own few-row fp32 kernel, cpu_gemm, lost to the prepacked paths at every row count and thread
 count on this AVX-512 box and was removed; git history has it.)
 The paths are timed interleaved in every repetition (the box drifts); each figure is a median.
@@ -28,6 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
+from evals.profile_step import read_bandwidth  # noqa: E402
+from specpd.kernels import cpu_gemm_bf16  # noqa: E402
 from specpd.machine import isa, usable_cores  # noqa: E402
 
 OUT = os.path.join(REPO_ROOT, "evals", "results", "gemm.json")
@@ -56,6 +61,10 @@ def paths(ws: list[torch.Tensor], m: int, dtype: torch.dtype, threads: int) -> d
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws]
         out["mkl packed (per M)"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
                                              for w, p in zip(ws, mkl)]
+    if dtype == torch.bfloat16 and cpu_gemm_bf16.available():
+        few = [cpu_gemm_bf16.pack(w) for w in ws]
+        out["specpd bf16 kernel"] = lambda: [cpu_gemm_bf16.gemm(xs[w.shape[1]], p, None, w.shape[0])
+                                             for w, p in zip(ws, few)]
     return out
 
 
@@ -85,11 +94,12 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         ws = weights(dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
         for threads in args.threads:
-            torch.set_num_threads(threads)
+            floor_ms = round(1000 * nbytes / read_bandwidth(threads), 2)  # sets the thread count too
             for m in args.rows:
-                row = {"dtype": dtype_name, "threads": threads, "rows": m, "ms": timed(paths(ws, m, dtype, threads),
-                                                                                   args.reps)}
+                row = {"dtype": dtype_name, "threads": threads, "rows": m, "floor_ms": floor_ms,
+                       "ms": timed(paths(ws, m, dtype, threads), args.reps)}
                 row["best"] = min(row["ms"], key=row["ms"].get)
                 results.append(row)
                 log(dtype_name, f"threads={threads}", f"M={m}", row["ms"], "best:", row["best"])

@@ -13,6 +13,14 @@ of more than 32 rows in bf16 rounds differently; fp32 stays exact at any width).
 (tests/model/test_cpu_linear.py checks both). MKL's fp32 gemv over an [in, out] copy streams one row ~25%
 faster, but is not invariant: it is not used.
 
+Few rows in bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) takes GEMMs of up to
+`cpu_gemm_bf16.max_rows()` rows (64; 16 on AMX) from a second copy of the weight in its layout, oneDNN the wider
+ones (prefill chunks, wide batches). It streams the weight at the box's read bandwidth where oneDNN's bf16
+path reaches about half of it: one forward's linears + LM head at 2 threads on an AMD EPYC (AVX512-BF16, no
+AMX) cost 6.6 ms for 1 row against oneDNN's 13.0, 8.8 vs 13.9 for 8 rows, 44 vs 52 for 64
+(evals/results/gemm.json). It is batch invariant by construction, so the bf16 invariance window is its width.
+The second copy doubles a bf16 model's linear weights in memory.
+
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
 F.linear over the unpacked weight, so a draft trainer can backpropagate through a packed target's head.
@@ -24,6 +32,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specpd.kernels import cpu_gemm_bf16
 
 PACK_ROWS_HINT = 16  # oneDNN picks the blocked layout for this many rows (bf16 rows 1..32 one kernel with it)
 
@@ -39,7 +49,8 @@ def mkldnn_ok(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W prepacked for oneDNN; one row runs as two (batch invariance, module docstring)."""
+    """y = x @ W.T + b with W prepacked for oneDNN (one row runs as two: batch invariance, module docstring) and,
+    in bf16 where the few-row kernel runs, packed for it too."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -48,6 +59,11 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().clone()
+        self.few_rows = 0  # GEMMs of up to this many rows go to cpu_gemm_bf16 (0: none)
+        if cpu_gemm_bf16.usable(weight):
+            self.few_rows = cpu_gemm_bf16.max_rows()
+            self.few_packed = cpu_gemm_bf16.pack(weight)
+            self.few_bias = None if bias is None else self.bias.float().contiguous()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
@@ -64,6 +80,8 @@ class PackedLinear(nn.Module):
             x = x.reshape(-1, shape[-1])
         if torch.is_grad_enabled() and x.requires_grad:  # a trainer backpropagating through a frozen packed layer
             out = F.linear(x, self.weight, self.bias)
+        elif x.shape[0] <= self.few_rows and x.dtype == torch.bfloat16:
+            out = cpu_gemm_bf16.gemm(x, self.few_packed, self.few_bias, self.out_features)
         elif x.shape[0] == 1:  # as two rows: the M >= 2 kernel's rounding (module docstring)
             out = torch.ops.mkldnn._linear_pointwise(torch.cat([x, torch.zeros_like(x)]), self.packed, self.bias,
                                                      "none", [], "")[:1]
@@ -72,7 +90,8 @@ class PackedLinear(nn.Module):
         return out if len(shape) == 2 else out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, dtype={self.dtype}, bias={self.bias is not None}"
+        return (f"in={self.in_features}, out={self.out_features}, dtype={self.dtype}, bias={self.bias is not None}, "
+                f"few_rows={self.few_rows}")
 
 
 def can_pack(linear: nn.Module) -> bool:

@@ -6,6 +6,7 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import native_bf16
 from specpd.model.loader import load_checkpoint
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three prime numbers."]
@@ -70,3 +71,23 @@ def test_logprobs_with_speculation_come_from_verify_logits(checkpoint, prompts, 
             assert abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 is the serving default only where the CPU computes it natively")
+def test_bf16_greedy_speculation_equals_plain_within_the_invariant_width(checkpoint, prompts):
+    """In bf16 (what `specpd serve` runs here) a verify row rounds as the same row decoded alone while a step's
+    GEMMs stay within the batch-invariant width (cpu_linear's docstring): two requests with 7-row trees are 14
+    rows, under it on every CPU (AMX: 16; others: 64 with the bf16 kernel, 32 with oneDNN alone)."""
+    cache = CacheConfig(page_size=16, num_pages=NUM_PAGES)
+    pair = prompts[:2]
+    plain = collect_logprobs(LLMEngine(EngineConfig(model="default", dtype="bfloat16", cache=cache),
+                                       checkpoint=checkpoint), pair)
+    spec = SpecConfig("eagle3", draft_model="default", spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6,
+                      spec_adaptive_pinned=True)
+    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", cache=cache, spec=spec), checkpoint=checkpoint)
+    got = collect_logprobs(engine, pair)
+    assert engine.spec_stats.accepted_tokens > 0
+    # bit for bit: the tokens, and every logprob (a verify row's logits rounded as the decode row's)
+    assert [[(lp.token_id, lp.logprob, lp.top) for lp in r] for r in got] == \
+        [[(lp.token_id, lp.logprob, lp.top) for lp in r] for r in plain]
+    assert engine.free_pages == NUM_PAGES

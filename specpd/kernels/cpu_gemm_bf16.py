@@ -1,0 +1,80 @@
+"""The few-row bf16 GEMM (csrc/cpu_gemm_bf16.c) on CPUs with AVX512-BF16: decode and verify rows stream each
+weight once from a layout packed at load, at close to the box's memory bandwidth, where oneDNN's bf16 path
+reads it at ~0.6 of it for 1..16 rows (evals/bench_gemm.py -> evals/results/gemm.json). Every output element
+is the same fp32 chain of dot products over K whatever the row count, tile or thread split: batch invariant
+by construction. `gemm_ref` is its torch reference (tests/kernels/test_cpu_gemm_bf16.py: ragged row counts,
+widths that are not a multiple of 16, bias, invariance).
+
+Off where the CPU lacks AVX512-BF16, without a C compiler, with SPECPD_C_KERNELS=0, or with
+SPECPD_GEMM_KERNEL=0 (oneDNN then takes every row count, as before the kernel; benchmarks A/B it that way)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specpd.kernels.build import INT64 as _I
+from specpd.kernels.build import VOID_P as _P
+from specpd.kernels.build import load
+from specpd.machine import isa
+
+
+@functools.cache
+def _lib():
+    if os.environ.get("SPECPD_GEMM_KERNEL", "1") == "0" or isa() not in ("amx", "avx512_bf16"):
+        return None
+    lib = load("cpu_gemm_bf16.c")
+    if lib is None or not lib.specpd_gemm_bf16_available():
+        return None
+    lib.specpd_gemm_bf16_pack.argtypes = [_P, _I, _I, _P]
+    lib.specpd_gemm_bf16_pack.restype = ctypes.c_int
+    lib.specpd_gemm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P]
+    lib.specpd_gemm_bf16.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def max_rows() -> int:
+    """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it beats oneDNN's AVX512-BF16
+    path at every width to 64 rows (evals/results/gemm.json, AMD EPYC): 64, so a verify of up to 64 rows (batch
+    8 x 8-node trees) rounds as the same rows decoded alone. On AMX oneDNN's tiles compute 17..32 rows for what
+    16 cost while this kernel's cost grows with the rows: 16 there (the bf16 invariance window, 32 rows with
+    oneDNN alone, then ends at 16)."""
+    return 16 if isa() == "amx" else 64
+
+
+def usable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the kernel's layout, [ceil(N / 16), K / 2, 16, 2] bf16 (zero columns past N)."""
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    packed = weight.new_empty((n + 15) // 16, k // 2, 16, 2)
+    if _lib().specpd_gemm_bf16_pack(weight.data_ptr(), n, k, packed.data_ptr()):
+        raise ValueError(f"gemm_bf16 pack: K = {k} is odd")
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T (+ bias, fp32 [n]) -> [M, n] bf16; `packed` from pack(W)."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = x.new_empty(m, n)
+    rc = _lib().specpd_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 n, out.data_ptr())
+    if rc:
+        raise ValueError(f"gemm_bf16: kernel error {rc} (M={m}, K={k}, N={n})")
+    return out
+
+
+def gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in torch: fp32 sums of bf16 products, bias in fp32, one rounding to bf16."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)

@@ -40,13 +40,16 @@ def available() -> bool:
     return _lib() is not None
 
 
+ANY_WIDTH = 1 << 62
+
+
 def max_rows() -> int:
     """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it beats oneDNN's AVX512-BF16
-    path at every width to 64 rows (evals/results/gemm.json, AMD EPYC): 64, so a verify of up to 64 rows (batch
-    8 x 8-node trees) rounds as the same rows decoded alone. On AMX oneDNN's tiles compute 17..32 rows for what
-    16 cost while this kernel's cost grows with the rows: 16 there (the bf16 invariance window, 32 rows with
-    oneDNN alone, then ends at 16)."""
-    return 16 if isa() == "amx" else 64
+    path at every width measured, 1 to 512 rows (evals/results/gemm.json, AMD EPYC): every GEMM (ANY_WIDTH),
+    so bf16 is batch invariant at any width there, prefill chunks beside decode rows included. On AMX oneDNN's
+    tiles compute 17..32 rows for what 16 cost while this kernel's cost grows with the rows: 16 there (the
+    bf16 invariance window, 32 rows with oneDNN alone, then ends at 16)."""
+    return 16 if isa() == "amx" else ANY_WIDTH
 
 
 def usable(weight: torch.Tensor) -> bool:
@@ -61,6 +64,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if _lib().specpd_gemm_bf16_pack(weight.data_ptr(), n, k, packed.data_ptr()):
         raise ValueError(f"gemm_bf16 pack: K = {k} is odd")
     return packed
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack's inverse: the [n, K] weight."""
+    blocks, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(blocks * 16, pairs * 2)[:n].contiguous()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:

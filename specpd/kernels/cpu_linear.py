@@ -13,13 +13,13 @@ of more than 32 rows in bf16 rounds differently; fp32 stays exact at any width).
 (tests/model/test_cpu_linear.py checks both). MKL's fp32 gemv over an [in, out] copy streams one row ~25%
 faster, but is not invariant: it is not used.
 
-Few rows in bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) takes GEMMs of up to
-`cpu_gemm_bf16.max_rows()` rows (64; 16 on AMX) from a second copy of the weight in its layout, oneDNN the wider
-ones (prefill chunks, wide batches). It streams the weight at the box's read bandwidth where oneDNN's bf16
-path reaches about half of it: one forward's linears + LM head at 2 threads on an AMD EPYC (AVX512-BF16, no
-AMX) cost 6.6 ms for 1 row against oneDNN's 13.0, 8.8 vs 13.9 for 8 rows, 44 vs 52 for 64
-(evals/results/gemm.json). It is batch invariant by construction, so the bf16 invariance window is its width.
-The second copy doubles a bf16 model's linear weights in memory.
+bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
+read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
+on an AMD EPYC (AVX512-BF16, no AMX) cost 6.6 ms for 1 row against oneDNN's 13.0, 8.8 vs 13.9 for 8 rows, and it
+stays ahead to 512 rows (337 vs 360 ms; evals/results/gemm.json). Without AMX it takes every bf16 GEMM (and
+oneDNN's copy of the weight is not made); with AMX, whose tiles make oneDNN's 17..32 rows cost what 16 do, it
+takes GEMMs of up to 16 rows from a second copy of the weight in its layout, and oneDNN the wider ones. It is
+batch invariant by construction, so bf16 is invariant at any width without AMX, up to 16 rows with it.
 
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
@@ -49,21 +49,23 @@ def mkldnn_ok(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W prepacked for oneDNN (one row runs as two: batch invariance, module docstring) and,
-    in bf16 where the few-row kernel runs, packed for it too."""
+    """y = x @ W.T + b with W packed once at load: for the few-row bf16 kernel where it runs, for oneDNN where
+    GEMMs wider than the kernel takes remain (one row runs as two: batch invariance, module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().clone()
         self.few_rows = 0  # GEMMs of up to this many rows go to cpu_gemm_bf16 (0: none)
+        self.few_packed = self.few_bias = self.packed = None
         if cpu_gemm_bf16.usable(weight):
             self.few_rows = cpu_gemm_bf16.max_rows()
             self.few_packed = cpu_gemm_bf16.pack(weight)
             self.few_bias = None if bias is None else self.bias.float().contiguous()
+        if self.few_rows < cpu_gemm_bf16.ANY_WIDTH:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
@@ -72,6 +74,8 @@ class PackedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The [out, in] weight, unpacked on demand (serving never asks)."""
+        if self.packed is None:
+            return cpu_gemm_bf16.unpack(self.few_packed, self.out_features)
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,8 @@ class PackedLinear(nn.Module):
             out = F.linear(x, self.weight, self.bias)
         elif x.shape[0] <= self.few_rows and x.dtype == torch.bfloat16:
             out = cpu_gemm_bf16.gemm(x, self.few_packed, self.few_bias, self.out_features)
+        elif self.packed is None:  # not the weight's dtype: no serving path sends one
+            out = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         elif x.shape[0] == 1:  # as two rows: the M >= 2 kernel's rounding (module docstring)
             out = torch.ops.mkldnn._linear_pointwise(torch.cat([x, torch.zeros_like(x)]), self.packed, self.bias,
                                                      "none", [], "")[:1]

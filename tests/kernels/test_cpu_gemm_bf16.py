@@ -60,3 +60,10 @@ def test_a_row_does_not_depend_on_its_batch_or_threads(threads):
 def test_odd_width_is_refused():
     with pytest.raises(ValueError, match="odd"):
         gemm_bf16.pack(torch.zeros(16, 7, dtype=torch.bfloat16))
+
+
+def test_unpack_inverts_pack():
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((17, 34), (960, 576)):
+        w = _weight(n, k, gen)
+        assert torch.equal(gemm_bf16.unpack(gemm_bf16.pack(w), n), w)

@@ -11,7 +11,9 @@ request), with a ~300-token context per request on scattered pages:
   - inside the forward, timed by wrapping each part (perf_counter, interleaved steps): GEMMs (every packed
     linear incl. the LM head), attention (the fused kernel call incl. RoPE and the KV write), norms, and the
     rest (residual adds, activations, embedding, Python between ops); outside it, sampling and the engine's
-    own bookkeeping (scheduler, postprocess, detokenizer);
+    own bookkeeping (scheduler, postprocess, detokenizer). Where the C stack runs the layers (bf16 on an
+    AVX512-BF16 CPU, specpd/model/cpu_stack.py) no part is visible from Python: the case then holds the step
+    and forward as served, and `per_layer_python_path` the same case on the per-layer path with its parts;
   - with --server: a real `specpd serve` with its defaults, one streamed request (96 tokens, greedy,
     ignore_eos): its TPOT minus the engine step is HTTP, the event loop and the stream;
   - the peer's TPOT at concurrency 1 from evals/results/peers.json when that file exists.
@@ -265,7 +267,18 @@ def main() -> None:
                 # before and just after the case, the faster of the two makes the (stricter) floor
                 bw_before = read_bandwidth(runtime["num_threads"])
                 torch.set_num_threads(runtime["num_threads"])
-                case = fn(engine, batch, args.steps, timers)
+                stack = engine.runner.model.cpu_stack
+                case = fn(engine, batch, args.steps, timers)  # as served: the C stack where it runs
+                if stack is not None:  # its layers are one C call: the parts come from the per-layer path
+                    engine.runner.model.cpu_stack = None
+                    try:
+                        python = fn(engine, batch, args.steps, timers)
+                    finally:
+                        engine.runner.model.cpu_stack = stack
+                    case = {"step_ms": case["step_ms"], "forward_ms": case["forward_ms"],
+                            **{k: v for k, v in case.items() if k in ("lm_head_and_sampling_ms",
+                                                                       "engine_bookkeeping_ms")},
+                            "per_layer_python_path": python}
                 rows = batch * (1 if kind == "decode" else len(TREE_PARENTS))
                 nbytes = step_bytes(engine, batch, CTX)
                 bw_after = read_bandwidth(runtime["num_threads"])

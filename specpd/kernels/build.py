@@ -58,7 +58,9 @@ def load(filename: str) -> ctypes.CDLL | None:
     with open(source_path(filename), encoding="utf-8") as f:
         source = f.read()
     csrc = os.path.dirname(source_path(filename))
-    headers = [open(os.path.join(csrc, h), encoding="utf-8").read() for h in sorted(os.listdir(csrc)) if h.endswith(".h")]
+    # every other source in csrc/ too: a kernel may include another's .c (cpu_stack.c does)
+    headers = [open(os.path.join(csrc, h), encoding="utf-8").read() for h in sorted(os.listdir(csrc))
+               if h.endswith((".h", ".c")) and h != filename]
     key = "\n".join([source, *headers, " ".join(flags()), " ".join(sorted(cpu_flags())), cc])
     stem = os.path.splitext(filename)[0]
     path = os.path.join(cache_dir(), f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")

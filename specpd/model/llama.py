@@ -18,6 +18,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.config import ModelConfig
 from specpd.kernels import cpu_ops
 from specpd.kernels.cpu_linear import PackedLinear, mkldnn_ok, pack_linears
+from specpd.model.cpu_stack import Stack
 
 
 class RMSNorm(nn.Module):
@@ -247,6 +248,7 @@ class CausalLM(nn.Module):
         # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
         self.quantized_head: nn.Module | None = None
         self.packed_head: PackedLinear | None = None  # the head prepacked for oneDNN (pack_for_cpu)
+        self.cpu_stack = None  # the decoder layers as one C call (specpd/model/cpu_stack.py; pack_for_cpu)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -258,8 +260,12 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> (normed hidden [T, H], captured hidden inputs of the
         requested layers [T, H] each, e.g. for EAGLE-3's fused aux hidden states)."""
         h = self.embed_tokens(input_ids)
-        residual = None  # the stream is h + residual (DecoderLayer.forward_split)
         rope = self.rotary.table(positions, h.dtype)
+        if self.cpu_stack is not None:  # the same kernels in one C call where it applies (else None)
+            done = self.cpu_stack.run(h, rope, backend, meta, capture_layers)
+            if done is not None:
+                return done
+        residual = None  # the stream is h + residual (DecoderLayer.forward_split)
         captured = []
         for i, layer in enumerate(self.layers):
             if i in capture_layers:  # the layer's input, summed (EAGLE-3's aux features)
@@ -286,6 +292,7 @@ class CausalLM(nn.Module):
         pack_linears(self)  # an untied lm_head included
         if self.quantized_head is None and self.lm_head is None and mkldnn_ok(self.embed_tokens.weight.dtype):
             self.packed_head = PackedLinear(self.embed_tokens.weight, None)
+        self.cpu_stack = Stack.build(self)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

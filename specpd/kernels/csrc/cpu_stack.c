@@ -1,0 +1,67 @@
+/* A bf16 decoder stack in one call: every layer of a Llama-family forward (RMSNorm with the residual add
+   fused, the qkv GEMM, paged attention with RoPE and the KV write, the o GEMM, RMSNorm, gate/up GEMM, SiLU x up,
+   the down GEMM) and the final norm, run from C with no Python between the kernels. It calls the same
+   kernels the per-layer Python path calls (cpu_gemm_bf16.c, cpu_ops.c, cpu_attention.c, included here into
+   one library), on the same inputs in the same order, so its output equals that path's bit for bit; what it
+   removes is ~10 Python-level calls per layer (each a ctypes call, a tensor allocation, argument checks).
+   specpd/kernels/cpu_stack.py has the contract; tests/kernels/test_cpu_stack.py compares the two paths. */
+#include "cpu_gemm_bf16.c"
+#include "cpu_ops.c"
+#include "cpu_attention.c"
+
+#define WEIGHTS_PER_LAYER 7  /* ln1, qkv (packed), qkv bias (fp32 or NULL), o (packed), ln2, gate_up (packed), down */
+
+/* dst = bf16(a + b) over n elements (torch's bf16 add: fp32 sum, rounded to nearest even) */
+static void add_rows(const uint16_t* a, const uint16_t* b, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = f32_bf16(bf16_f32(a[i]) + bf16_f32(b[i]));
+}
+
+int specpd_stack_bf16(int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t inter, float eps,
+                      const void* const* w, const void* final_norm,
+                      uint16_t* h, uint16_t* res, uint16_t* normed, uint16_t* qkv, uint16_t* attn, uint16_t* gu,
+                      uint16_t* act, uint16_t* out,
+                      const int64_t* capture, int64_t ncap, uint16_t* const* cap_out,
+                      const int64_t* pos, const int64_t* w_slot, const float* cos_t, const float* sin_t,
+                      void* pool, int64_t page_stride, int64_t layer_stride, int64_t kv_half, int64_t pos_stride,
+                      int64_t head_stride, int64_t ps, const int32_t* qo_indptr, const int32_t* kv_lens,
+                      const int32_t* page_table, int64_t max_pages, int64_t B, const uint8_t* tree,
+                      const int32_t* tree_indptr, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+#ifdef __AVX512BF16__
+  const int64_t q_width = Hq * D, kv_width = Hkv * D;
+  if (nqkv != q_width + 2 * kv_width) return 3;
+  int have_res = 0, next_cap = 0;
+  int rc = 0;
+  for (int64_t l = 0; l < L && rc == 0; l++) {
+    const void* const* lw = w + l * WEIGHTS_PER_LAYER;
+    if (next_cap < ncap && capture[next_cap] == l) {  /* the layer's input, summed (EAGLE-3's aux features) */
+      uint16_t* cap = cap_out[next_cap++];
+      if (have_res) add_rows(h, res, cap, T * H);
+      else memcpy(cap, h, (size_t)(T * H) * 2);
+      memcpy(h, cap, (size_t)(T * H) * 2);
+      have_res = 0;
+    }
+    if (have_res) {
+      rc |= specpd_rmsnorm(1, h, res, lw[0], normed, res, T, H, eps);
+    } else {
+      rc |= specpd_rmsnorm(1, h, 0, lw[0], normed, 0, T, H, eps);
+      memcpy(res, h, (size_t)(T * H) * 2);
+      have_res = 1;
+    }
+    rc |= specpd_gemm_bf16(normed, T, H, lw[1], lw[2], nqkv, qkv);
+    const int64_t k_off = l * layer_stride;
+    rc |= specpd_attention(1, qkv, nqkv, pos, qkv + q_width, qkv + q_width + kv_width, nqkv, T, pos, w_slot,
+                           cos_t, sin_t, pool, page_stride, k_off, k_off + kv_half, pos_stride, head_stride, ps,
+                           qo_indptr, kv_lens, page_table, max_pages, B, tree, tree_indptr, Hq, Hkv, D, scale,
+                           attn);
+    rc |= specpd_gemm_bf16(attn, T, q_width, lw[3], 0, H, h);
+    rc |= specpd_rmsnorm(1, h, res, lw[4], normed, res, T, H, eps);
+    rc |= specpd_gemm_bf16(normed, T, H, lw[5], 0, 2 * inter, gu);
+    rc |= specpd_silu_mul(1, gu, act, T, inter);
+    rc |= specpd_gemm_bf16(act, T, inter, lw[6], 0, H, h);
+  }
+  if (rc == 0) rc |= specpd_rmsnorm(1, h, res, final_norm, out, res, T, H, eps);
+  return rc;
+#else
+  return 2;
+#endif
+}

@@ -1,0 +1,85 @@
+"""The C decoder stack (specpd/model/cpu_stack.py) against the per-layer Python path it replaces, bit for bit:
+the same greedy tokens and logprobs, the same EAGLE-3 aux features (captured layers) and the same KV pool bytes,
+over ragged prompts across page boundaries, batched decode and tree verify (an EAGLE-3 engine, pinned policy),
+and a long prompt chunk (its step takes SDPA and the Python path). bf16 on a CPU with AVX512-BF16 only."""
+import pytest
+import torch
+
+from specpd.config import CacheConfig, EngineConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model import cpu_stack
+from specpd.model.loader import load_checkpoint
+
+pytestmark = pytest.mark.skipif(cpu_stack._fn() is None, reason="no bf16 GEMM kernel (AVX512-BF16) here")
+
+NUM_PAGES = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("default")
+
+
+def _prompts(tok):
+    texts = ["What is the capital of France?", "Write a haiku about rain on a tin roof, then explain it.",
+             "Name three prime numbers."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in texts]
+    return prompts + [prompts[1] * 9]  # a long prompt: its chunk attends through SDPA, the step in Python
+
+
+def _run(checkpoint, prompts, spec, stack: bool):
+    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", spec=spec,
+                                    cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
+    model = engine.runner.model
+    calls = {"stack": 0, "features": []}
+    if not stack:
+        model.cpu_stack = None
+    else:
+        assert model.cpu_stack is not None
+        run = model.cpu_stack.run
+
+        def counted(*a, **k):
+            out = run(*a, **k)
+            if out is not None:
+                calls["stack"] += 1
+                calls["features"].extend(c.clone() for c in out[1])
+            return out
+        model.cpu_stack.run = counted
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = {f"r{i}": [] for i in range(len(prompts))}
+    for rid, prompt in zip(outs, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].extend((lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs or [])
+    assert engine.free_pages == NUM_PAGES
+    return list(outs.values()), engine.runner.kv_pool.buffer.clone(), calls
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle3", draft_model="default", spec_num_steps=3,
+                                                           spec_topk=2, spec_num_draft_tokens=6,
+                                                           spec_adaptive_pinned=True)], ids=["plain", "eagle3"])
+def test_stack_equals_python_path(checkpoint, spec):
+    prompts = _prompts(checkpoint.tokenizer)
+    want, want_kv, _ = _run(checkpoint, prompts, spec, stack=False)
+    got, got_kv, calls = _run(checkpoint, prompts, spec, stack=True)
+    assert calls["stack"] > 0
+    if spec.speculative_algorithm != "none":
+        assert calls["features"], "the EAGLE-3 target's aux layers were captured by the stack"
+    assert got == want  # every request's tokens, logprobs and top-2, bit for bit
+    assert all(len(g) == 16 for g in got)
+    assert torch.equal(got_kv, want_kv)  # every K/V byte, target and draft layers
+
+
+def test_stack_declines_what_it_does_not_run(checkpoint):
+    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16",
+                                    cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
+    stack = engine.runner.model.cpu_stack
+    h = torch.zeros(2, stack.hidden, dtype=torch.bfloat16)
+    with torch.enable_grad():
+        assert stack.run(h, None, engine.runner.backend, None, ()) is None  # autograd: the Python path
+    assert stack.run(h.float(), None, engine.runner.backend, None, ()) is None  # not bf16
+    fp32 = LLMEngine(EngineConfig(model="default", dtype="float32", cache=CacheConfig(page_size=16, num_pages=8)),
+                     checkpoint=checkpoint)
+    assert fp32.runner.model.cpu_stack is None

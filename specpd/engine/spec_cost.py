@@ -11,8 +11,14 @@ ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 DRAFT_SCALE_RANGE = (0.5, 8.0)
 SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a round's execute alone (before its
 # cycle was), it went below 1 at batch 8, which then speculated in 9 of 10 rounds and lost 7% end to end
+SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
 SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
 # bounded (a descheduled round reads several times its cost); the scale itself follows the box however far
+
+
+def spec_bucket(requests: int) -> int:
+    """The SPEC_SCALE_BUCKETS entry a batch of `requests` falls in."""
+    return SPEC_SCALE_BUCKETS[max(0, bisect.bisect_right(SPEC_SCALE_BUCKETS, requests) - 1)]
 
 
 class PiecewiseLinear:
@@ -90,8 +96,13 @@ class CostModel:
         # draft's price (draft_scale), a batch of 32 read its draft at 3x the table and still took rounds where one
         # request speculated and the round cost 20% more than a plain one (evals/results/peers.json, c32)
         self.round_overhead = 0.0
-        # measured / priced seconds that speculating adds to a round, over all the parts above (spec_policy 5b)
-        self.spec_scale = 1.0
+        # measured / priced seconds that speculating adds to a round, over all the parts above (spec_policy 5b), per
+        # batch-size bucket: at batch 32 a speculating round's cycle read 1.7x its price (prefill interplay, a
+        # whole batch's verify bookkeeping), and one engine-wide scale then priced a lone request's rounds so
+        # dear that a grounded n-gram request (tau ~4) never speculated after a c32 run. `batch`: the bucket
+        # `spec_scale` reads (the policy's plan sets it)
+        self._spec_scales: dict[int, float] = {}
+        self.batch = 1
         # a model-free drafter (n-gram): what each speculating request adds outside the target forward (its
         # proposal, tree, verify, KV compaction); a model drafter's is in draft_scale
         self.spec_overhead = 0.0
@@ -101,6 +112,11 @@ class CostModel:
         """A fixed table in the shape this engine measures on CPU (50 ms a decode step, +1 ms a row,
         3 ms a draft forward), for tests that need reproducible plans."""
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
+
+    @property
+    def spec_scale(self) -> float:
+        """spec_scale of the batch size `batch` (1.0 until a speculating round of its bucket was read)."""
+        return self._spec_scales.get(spec_bucket(self.batch), 1.0)
 
     def target(self, requests: int, rows: int) -> float:
         return self._table(requests, rows) * self.scale
@@ -157,19 +173,21 @@ class CostModel:
             lo, hi = DRAFT_SCALE_RANGE
             self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
 
-    def observe_spec_extra(self, measured_s: float, predicted_s: float) -> None:
-        """A speculating decode round: `measured_s` = its seconds over a depth-0 round's, as this model prices that
-        one; `predicted_s` = what the plan priced speculating at, before spec_scale."""
+    def observe_spec_extra(self, measured_s: float, predicted_s: float, requests: int = 1) -> None:
+        """A speculating decode round of `requests` requests: `measured_s` = its seconds over a depth-0 round's, as
+        this model prices that one; `predicted_s` = what the plan priced speculating at, before spec_scale."""
         if self.frozen or predicted_s <= 0:
             return
         lo, hi = SPEC_SCALE_RANGE
         ratio = min(hi, max(lo, max(measured_s, 1e-6) / predicted_s))
-        self.spec_scale = min(hi, max(lo, self.spec_scale * (ratio / self.spec_scale) ** ONLINE_RATE))
+        bucket = spec_bucket(requests)
+        old = self._spec_scales.get(bucket, 1.0)
+        self._spec_scales[bucket] = min(hi, max(lo, old * (ratio / old) ** ONLINE_RATE))
 
     def as_dict(self) -> dict:
         return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
                 "off_overhead": self.off_overhead, "round_overhead": self.round_overhead,
-                "spec_scale": self.spec_scale,
+                "spec_scale": {f"batch>={b}": s for b, s in sorted(self._spec_scales.items())},
                 "spec_overhead": self.spec_overhead, "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}

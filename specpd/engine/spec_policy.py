@@ -23,7 +23,8 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      (SpecRunner keeps the features), so a useless draft costs nothing per step. Probes draw on an
      engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
      while its gain is one request's, so at batch 16 sixteen requests probing on their own schedules
-     would cost far more than one does at batch 1. A request whose draft is in step (nothing deferred: after
+     would cost far more than one does at batch 1. The budget saves up PROBE_CREDIT_ROUNDS rounds' worth, or
+     the price of the dearest probe waiting for it where that is more, so every probe is taken in time. A request whose draft is in step (nothing deferred: after
      a speculating round, or under PD the handoff's extend) shadow-probes for free.
   4b. What the deferred tokens cost: where the engine runs every request's deferred extends when it finishes
      anyway (`catch_up_settled`: the prefix cache keeps draft KV valid over all a request committed,
@@ -48,7 +49,8 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
   5b. And the whole: a speculating round's measured cycle (its start to the next round's: postprocess, streaming
      and the HTTP thread's share of the GIL included) over what a depth-0 round of the same batch size took
      (measured the same way, an EMA per batch size) against what the plan priced speculating at scales every
-     price of speculating (`CostModel.spec_scale`, never below 1). The parts above are read on the shape the
+     price of speculating (`CostModel.spec_scale`, never below 1), per batch-size bucket (1, 2-3, 4-7, 8-15,
+     16+: what a batch of 32 pays beyond its price is not what a lone request pays). The parts above are read on the shape the
      startup table was timed on (one request, 128 tokens of context); a verify row at batch 32 over a long
      context costs more than that, and without this the policy took rounds that cost 10% more than they gave.
   6. A plan that put everyone at depth 0 stands without a search (`_idle_holds`) while the batch, the
@@ -142,6 +144,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         n = len(request_ids)
         if n == 0:
             return []
+        self.cost.batch = n + other_requests  # the batch whose spec_scale prices this plan (CostModel.spec_scale)
         deferred = list(pending) if pending is not None else None  # None: the caller tracks no catch-ups
         pending = deferred or [0] * n
         # what the decisions charge for the catch-ups (4b); `pending` itself is what the round will run
@@ -259,13 +262,15 @@ class AdaptivePolicy(AcceptanceEstimates):
         now = 0.0
         if not self.frozen:
             now = self._round_time(depth, *extra)
-            self.probe_credit = min(self.probe_credit + PROBE_BUDGET * now, PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now)
+            self.probe_credit += PROBE_BUDGET * now
+        needed = 0.0  # the dearest probe that waited for the budget: the credit saves up to it (below)
         self.shadow_probes = []
         for _, i, st in sorted(ready, key=lambda r: -r[0]):
             if self.shadow:  # the catch-up extend alone
                 if not self.frozen:
                     cost = self._catch_up_cost(pending[i] if pending is not None else None, waiting[i])
                     if cost > self.probe_credit:
+                        needed = max(needed, cost)
                         continue  # stays ready: it probes once the budget allows
                     self.probe_credit -= cost
                 self.shadow_probes.append(request_ids[i])
@@ -278,12 +283,18 @@ class AdaptivePolicy(AcceptanceEstimates):
                     extra = (self._gains(request_ids), *extra[1:])
                 trial = self._round_time(depth, *extra)
                 if trial - now > self.probe_credit:
+                    needed = max(needed, trial - now)
                     depth[i] = 0  # stays ready: it probes once the budget allows
                     continue
                 self.probe_credit -= trial - now
                 now = trial
             self.stats.probes += 1
             st.probing, st.idle_rounds = True, 0
+        if not self.frozen:
+            # saved up to PROBE_CREDIT_ROUNDS rounds' worth, or to the dearest waiting probe where that costs more: a
+            # probe dearer than the cap (a lone request's depth-1 round once spec_scale has risen) was never taken,
+            # so its request never learned it accepts (a grounded n-gram request at tau ~4 decoded plainly)
+            self.probe_credit = min(self.probe_credit, max(PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now, needed))
         return extra[0]
 
     def _catch_up_cost(self, pending: int | None, waiting: int) -> float:
@@ -336,7 +347,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         plain = self._plain_round_s.get(requests)
         if plain is None:  # no depth-0 round of this batch read yet: the model's price of one
             plain = base + (self.cost.off_overhead or 0.0) * requests
-        self.cost.observe_spec_extra(seconds - plain, predicted)
+        self.cost.observe_spec_extra(seconds - plain, predicted, requests)
         self.last_extra = None
 
     def release(self, request_id: str) -> None:

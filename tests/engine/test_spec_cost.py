@@ -132,7 +132,8 @@ def test_a_speculating_rounds_batch_wide_overhead_is_not_the_drafts_price():
 
 def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of_its_batch():
     """What speculating added (a round's seconds over the depth-0 rounds of the same batch size, measured) against
-    what the plan priced it at scales every price of speculating; a frozen policy learns nothing."""
+    what the plan priced it at scales every price of speculating at that batch size's bucket (8-15 here), and no
+    other bucket's (a lone request's stays at 1); a frozen policy learns nothing."""
     for frozen in (False, True):
         cost = CostModel({1: 10 * MS, 64: 20 * MS}, 0.1 * MS, {1: MS, 64: 2 * MS}, frozen=frozen)
         policy = AdaptivePolicy(num_steps=2, topk=4, num_draft_tokens=5, cost=cost, frozen=frozen)
@@ -141,4 +142,7 @@ def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of
         for _ in range(200):
             policy.last_extra = (15 * MS, 5 * MS)  # the plan priced speculating at 5 ms over its depth-0 round
             policy.observe_round_time(8, 30 * MS, speculated=True)  # it added 10 ms over the measured 20
+        cost.batch = 12
         assert cost.spec_scale == (1.0 if frozen else pytest.approx(2.0, rel=0.05))
+        cost.batch = 1
+        assert cost.spec_scale == 1.0

@@ -196,7 +196,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale * (verify + draft + extend + cost.spec_overhead)
+                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale * (verify + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -316,7 +316,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         plain = self.cost.target(req, other_rows + len(depth))
         target = plain + (self.cost.target(req, rows) - plain) * self.cost.tree_factor
         speculating = sum(1 for k in depth if k != 0)
-        extra = (target - plain + self._draft_time(depth, gains, pending) + self.cost.spec_overhead * speculating
+        extra = (target - plain + self._draft_time(depth, gains, pending)
                  + (self.cost.round_overhead * len(depth) if speculating else 0.0))
         return max(1e-9, plain + self.cost.spec_scale * extra)  # (never 0: rates divide by it)
 

@@ -3,6 +3,7 @@ import pytest
 
 from specpd.engine.spec_cost import CostModel, PiecewiseLinear
 from specpd.engine.spec_policy import AdaptivePolicy
+from tests.engine.test_spec_policy import policy_with
 
 MS = 1e-3
 
@@ -146,3 +147,28 @@ def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of
         assert cost.spec_scale == (1.0 if frozen else pytest.approx(2.0, rel=0.05))
         cost.batch = 1
         assert cost.spec_scale == 1.0
+
+
+def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
+    """An n-gram drafter has no draft forward; what a speculating round adds outside the target (the verify path
+    for the whole batch) is measured per request of the batch and makes a marginal speculation not pay. A round
+    at batch 32 with one request speculating does not make a lone request's round dear."""
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows=None)
+    for _ in range(50):
+        cost.observe_round(8, 8 * MS, False, 0.0)
+    for _ in range(100):
+        cost.observe_round(8, 8 * MS + 12 * MS, True, 0.0, speculating=2)  # 1.5 ms per request of the batch
+    assert cost.round_overhead == pytest.approx(1.5 * MS, rel=0.05)
+    cost.frozen = True
+    ids = [f"r{i}" for i in range(8)]
+    free = policy_with(CostModel({1: 50 * MS, 64: 113 * MS}, 0.5 * MS, None, frozen=True), rate=0.25, ids=ids)
+    priced = policy_with(cost, rate=0.25, ids=ids)
+    assert sum(k for k, _ in free.plan(ids)) > sum(k for k, _ in priced.plan(ids))
+    wide = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows=None)
+    for _ in range(50):
+        wide.observe_round(32, 9 * MS, False, 0.0)
+    for _ in range(100):
+        wide.observe_round(32, 9 * MS + 18 * MS, True, 0.0, speculating=1)
+    lone = AdaptivePolicy(5, 1, 6, wide)
+    one, zero = (lone._round_time([k], [[1.0] * 6], [0], 0, 0) for k in (1, 0))
+    assert one - zero < 3 * MS  # +1 ms a verify row, +0.6 ms the verify path's share: not 18 ms

@@ -257,22 +257,6 @@ def test_a_deferred_prompt_is_charged_to_no_decision_but_a_probe_pays_it():
     assert plans[-2][2] - plans[-1][2] > 0.9 * useless.cost.draft(1)
 
 
-def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
-    """An n-gram drafter has no draft forward; what its speculating requests add outside the target (proposal,
-    tree, verify) is measured per speculating request and makes a marginal speculation not pay."""
-    cost = CostModel({1: 50 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows=None)
-    for _ in range(50):
-        cost.observe_round(8, 8 * MS, False, 0.0)
-    for _ in range(100):
-        cost.observe_round(8, 8 * MS + 2 * 6 * MS, True, 0.0, speculating=2)  # 6 ms per speculating request
-    assert cost.spec_overhead == pytest.approx(6 * MS, rel=0.05)
-    cost.frozen = True
-    ids = [f"r{i}" for i in range(8)]
-    free = policy_with(CostModel({1: 50 * MS, 64: 113 * MS}, 0.5 * MS, None, frozen=True), rate=0.25, ids=ids)
-    priced = policy_with(cost, rate=0.25, ids=ids)
-    assert sum(k for k, _ in free.plan(ids)) > sum(k for k, _ in priced.plan(ids))
-
-
 def test_observe_updates_conditional_rates():
     policy = AdaptivePolicy(3, 1, 4, memory_bound(), frozen=True)
     for _ in range(30):

@@ -200,7 +200,8 @@ def render_readme_summary() -> str:
     data = load("peers.json")
     p = provenance(data, os.path.join(RESULTS_DIR, "peers.json"))
     return (f"specpd against vLLM's CPU build on the same box ({p['machine']}), the same SmolLM2-135M weights "
-            f"and EAGLE-3 head, bf16/fp32, one OpenAI streaming client, greedy; medians of 3 rotated repetitions "
+            f"and EAGLE-3 head, bf16/fp32, one OpenAI streaming client, greedy; medians of "
+            f"{data.get('args', {}).get('reps', 3)} rotated repetitions "
             f"(min–max). From `evals/results/peers.json` (commit {p['commit']}); every other benchmark: "
             f"[docs/results.md](docs/results.md).\n\n{peers(data)}")
 

@@ -15,8 +15,8 @@ faster, but is not invariant: it is not used.
 
 bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
 read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
-on an AMD EPYC (AVX512-BF16, no AMX) cost 6.6 ms for 1 row against oneDNN's 13.0, 8.8 vs 13.9 for 8 rows, and it
-stays ahead to 512 rows (337 vs 360 ms; evals/results/gemm.json). Without AMX it takes every bf16 GEMM (and
+on an AMD EPYC (AVX512-BF16, no AMX) cost 8.6 ms for 1 row against oneDNN's 14.0, 10.4 vs 14.9 for 8 rows, and
+it stays ahead to 512 rows (329 vs 338 ms; evals/results/gemm.json). Without AMX it takes every bf16 GEMM (and
 oneDNN's copy of the weight is not made); with AMX, whose tiles make oneDNN's 17..32 rows cost what 16 do, it
 takes GEMMs of up to 16 rows from a second copy of the weight in its layout, and oneDNN the wider ones. It is
 batch invariant by construction, so bf16 is invariant at any width without AMX, up to 16 rows with it.

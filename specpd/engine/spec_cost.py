@@ -99,10 +99,8 @@ class CostModel:
         # measured / priced seconds that speculating adds to a round, over all the parts above (spec_policy 5b), per
         # batch-size bucket: at batch 32 a speculating round's cycle read 1.7x its price (prefill interplay, a
         # whole batch's verify bookkeeping), and one engine-wide scale then priced a lone request's rounds so
-        # dear that a grounded n-gram request (tau ~4) never speculated after a c32 run. `batch`: the bucket
-        # `spec_scale` reads (the policy's plan sets it)
+        # dear that a grounded n-gram request (tau ~4) never speculated after a c32 run
         self._spec_scales: dict[int, float] = {}
-        self.batch = 1
 
     @classmethod
     def pinned(cls, with_draft: bool) -> "CostModel":
@@ -110,10 +108,10 @@ class CostModel:
         3 ms a draft forward), for tests that need reproducible plans."""
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
 
-    @property
-    def spec_scale(self) -> float:
-        """spec_scale of the batch size `batch` (1.0 until a speculating round of its bucket was read)."""
-        return self._spec_scales.get(spec_bucket(self.batch), 1.0)
+    def spec_scale(self, requests: int) -> float:
+        """What speculating costs over its price in a round of `requests` requests (1.0 until a speculating round
+        of its bucket was read)."""
+        return self._spec_scales.get(spec_bucket(requests), 1.0)
 
     def target(self, requests: int, rows: int) -> float:
         return self._table(requests, rows) * self.scale

@@ -144,7 +144,6 @@ class AdaptivePolicy(AcceptanceEstimates):
         n = len(request_ids)
         if n == 0:
             return []
-        self.cost.batch = n + other_requests  # the batch whose spec_scale prices this plan (CostModel.spec_scale)
         deferred = list(pending) if pending is not None else None  # None: the caller tracks no catch-ups
         pending = deferred or [0] * n
         # what the decisions charge for the catch-ups (4b); `pending` itself is what the round will run
@@ -174,6 +173,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         depth = [uniform] * n
         lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, *extra))
         cost, steps = self.cost, self.num_steps
+        spec_scale = cost.spec_scale(n + other_requests)
         for sweep in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
             req = other_requests + n
@@ -196,7 +196,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale * (verify + draft + extend)
+                    value = (gains[i][k] - 1.0) - lam * spec_scale * (verify + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -229,7 +229,8 @@ class AdaptivePolicy(AcceptanceEstimates):
         self.last_extra = None
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
             base = self._round_time([0] * len(depth), gains, *priced)
-            self.last_extra = (base, (self._round_time(depth, gains, *priced) - base) / self.cost.spec_scale)
+            scale = self.cost.spec_scale(len(depth) + priced[1])
+            self.last_extra = (base, (self._round_time(depth, gains, *priced) - base) / scale)
         for rid, k in zip(request_ids, depth):
             self._narrow[rid] = k < 0
         self.stats.rounds_narrow += sum(1 for k in depth if k < 0)
@@ -318,7 +319,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         speculating = sum(1 for k in depth if k != 0)
         extra = (target - plain + self._draft_time(depth, gains, pending)
                  + (self.cost.round_overhead * len(depth) if speculating else 0.0))
-        return max(1e-9, plain + self.cost.spec_scale * extra)  # (never 0: rates divide by it)
+        return max(1e-9, plain + self.cost.spec_scale(req) * extra)  # (never 0: rates divide by it)
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""

@@ -46,7 +46,7 @@ def _fn():
 
 
 def _kernel_linear(m) -> bool:
-    return isinstance(m, PackedLinear) and m.few_rows > 0 and m.few_packed is not None
+    return isinstance(m, PackedLinear) and m.few_rows > 0
 
 
 class Stack:

@@ -143,10 +143,8 @@ def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of
         for _ in range(200):
             policy.last_extra = (15 * MS, 5 * MS)  # the plan priced speculating at 5 ms over its depth-0 round
             policy.observe_round_time(8, 30 * MS, speculated=True)  # it added 10 ms over the measured 20
-        cost.batch = 12
-        assert cost.spec_scale == (1.0 if frozen else pytest.approx(2.0, rel=0.05))
-        cost.batch = 1
-        assert cost.spec_scale == 1.0
+        assert cost.spec_scale(12) == (1.0 if frozen else pytest.approx(2.0, rel=0.05))
+        assert cost.spec_scale(1) == 1.0
 
 
 def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():

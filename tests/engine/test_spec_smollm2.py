@@ -44,13 +44,13 @@ def test_smollm2_spec_is_lossless(checkpoint, prompts, reference, tmp_path, algo
     assert engine.free_pages == NUM_PAGES
 
 
-def collect_logprobs(engine, prompts, references=None):
+def collect_logprobs(engine, prompts, references=None, params=PARAMS):
     """Step the engine, gathering every request's per-token logprobs in order."""
     ids = [f"lp{i}" for i in range(len(prompts))]
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
         if references is not None:
             engine.spec_runner.proposer.references[rid] = references[i]
-        engine.add_request(rid, prompt, PARAMS)
+        engine.add_request(rid, prompt, params)
     logprobs = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():

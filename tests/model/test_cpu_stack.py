@@ -10,10 +10,12 @@ from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model import cpu_stack
 from specpd.model.loader import load_checkpoint
+from tests.engine.test_spec_smollm2 import collect_logprobs
 
 pytestmark = pytest.mark.skipif(cpu_stack._fn() is None, reason="no bf16 GEMM kernel (AVX512-BF16) here")
 
 NUM_PAGES = 96
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +48,9 @@ def _run(checkpoint, prompts, spec, stack: bool):
                 calls["features"].extend(c.clone() for c in out[1])
             return out
         model.cpu_stack.run = counted
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = {f"r{i}": [] for i in range(len(prompts))}
-    for rid, prompt in zip(outs, prompts):
-        engine.add_request(rid, prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id].extend((lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs or [])
+    outs = [[(lp.token_id, lp.logprob, lp.top) for lp in r] for r in collect_logprobs(engine, prompts, params=PARAMS)]
     assert engine.free_pages == NUM_PAGES
-    return list(outs.values()), engine.runner.kv_pool.buffer.clone(), calls
+    return outs, engine.runner.kv_pool.buffer.clone(), calls
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle3", draft_model="default", spec_num_steps=3,

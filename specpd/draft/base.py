@@ -66,6 +66,9 @@ class TargetBinding:
 class DraftModel(nn.Module, ABC):
     algorithm: ClassVar[str] = ""
     uses_target_final_hidden: ClassVar[bool] = True
+    # a forward in one C call where the draft has one (EAGLE-3: specpd/draft/eagle3_stack.py), set by its
+    # proposer once the linears are packed; None: the Python path
+    cpu_stack = None
 
     def __init__(self, config: ModelConfig, target_config: ModelConfig, draft_vocab_size: int | None,
                  has_vocab_map: bool):

@@ -126,13 +126,18 @@ class Eagle3Draft(DraftModel):
 
     def forward(self, input_ids, hidden, positions, backend, meta, step: int = 0, rows: OutputRows | None = None):
         width = self.config.hidden_size
-        if hidden.shape[-1] != width:
-            if hidden.shape[-1] != self.fc.in_features:
-                raise ValueError(f"EAGLE-3 hidden has width {hidden.shape[-1]}: expected fused target "
-                                 f"features ({self.fc.in_features}) or a draft hidden ({width})")
-            hidden = apply_linear(self.fc, hidden)  # [T, 3H] -> [T, H]
+        fused = hidden.shape[-1] != width
+        if fused and hidden.shape[-1] != self.fc.in_features:
+            raise ValueError(f"EAGLE-3 hidden has width {hidden.shape[-1]}: expected fused target "
+                             f"features ({self.fc.in_features}) or a draft hidden ({width})")
         embeds = self.embed(input_ids)
         rope = self.rotary.table(positions, hidden.dtype)
+        if self.cpu_stack is not None:  # the same kernels in one C call (specpd/draft/eagle3_stack.py)
+            out = self.cpu_stack.run(hidden, embeds, rope, backend, meta, rows)
+            if out is not None:
+                return out
+        if fused:
+            hidden = apply_linear(self.fc, hidden)  # [T, 3H] -> [T, H]
         return self.midlayer(embeds, hidden, rope, backend, meta, rows)
 
     def compute_logits(self, draft_hidden, step: int = 0):

@@ -21,6 +21,7 @@ from specpd.attention.base import get_backend_class
 from specpd.attention.metadata import AttentionMetadata
 from specpd.core import Request
 from specpd.draft.base import DraftModel
+from specpd.draft.eagle3_stack import Eagle3Stack
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.grammar.matcher import mask_after
 from specpd.kernels.cpu_linear import pack_linears
@@ -42,6 +43,7 @@ class EagleProposer(Proposer):
         self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
         if self.device.type == "cpu":
             pack_linears(draft)  # serving only: prepacked for oneDNN, as the target's (no autograd after this)
+            draft.cpu_stack = Eagle3Stack.build(draft)  # EAGLE-3's forward in one C call where it applies
         self._draft_ids: torch.Tensor | None = None  # [draft vocab] target ids (d2t), built when a grammar needs it
 
     @property

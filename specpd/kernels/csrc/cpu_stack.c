@@ -65,3 +65,52 @@ int specpd_stack_bf16(int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t int
   return 2;
 #endif
 }
+
+/* EAGLE-3's draft forward (specpd/draft/eagle3.py, Eagle3Draft.forward and Eagle3MidLayer) in one call, on the
+   kernels its Python path calls, in the same order: fc over the fused target features (when given), the two
+   input norms side by side in one [T, 2H] row, qkv, paged attention at the draft's layer 0, o, the residual add,
+   the post-attention norm, gate/up, SiLU x up, down, the second residual add. `rows` (R of them, or NULL for
+   all T): the rows that go on past attention (every row's K/V is written), as OutputRows does; a row's
+   attention output does not depend on the rows beside it, so gathering after it equals attending only those.
+   w: fc (packed, NULL when the input is already a draft hidden), fc bias (fp32 or NULL), input_layernorm,
+   hidden_norm, qkv (packed), qkv bias, o (packed), post_attention_layernorm, gate_up (packed), down (packed). */
+int specpd_eagle3_bf16(int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int64_t inter, float eps,
+                       int64_t norm_before_residual, const void* const* w, const uint16_t* feat, uint16_t* h,
+                       const uint16_t* embeds, uint16_t* x, uint16_t* res, uint16_t* qkv, uint16_t* attn,
+                       uint16_t* tmp, uint16_t* gu, uint16_t* act, const int64_t* rows, int64_t R, uint16_t* out,
+                       const int64_t* pos, const int64_t* w_slot, const float* cos_t, const float* sin_t,
+                       void* pool, int64_t page_stride, int64_t kv_half, int64_t pos_stride, int64_t head_stride,
+                       int64_t ps, const int32_t* qo_indptr, const int32_t* kv_lens, const int32_t* page_table,
+                       int64_t max_pages, int64_t B, const uint8_t* tree, const int32_t* tree_indptr, int64_t Hq,
+                       int64_t Hkv, int64_t D, float scale) {
+#ifdef __AVX512BF16__
+  const int64_t q_width = Hq * D, kv_width = Hkv * D;
+  if (nqkv != q_width + 2 * kv_width) return 3;
+  int rc = 0;
+  if (w[0]) rc |= specpd_gemm_bf16(feat, T, fc_in, w[0], w[1], H, h);
+  for (int64_t t = 0; t < T; t++) {  /* x = cat(input_layernorm(embeds), hidden_norm(h)) */
+    rc |= specpd_rmsnorm(1, embeds + t * H, 0, w[2], x + t * 2 * H, 0, 1, H, eps);
+    rc |= specpd_rmsnorm(1, h + t * H, 0, w[3], x + t * 2 * H + H, 0, 1, H, eps);
+  }
+  rc |= specpd_gemm_bf16(x, T, 2 * H, w[4], w[5], nqkv, qkv);
+  rc |= specpd_attention(1, qkv, nqkv, pos, qkv + q_width, qkv + q_width + kv_width, nqkv, T, pos, w_slot, cos_t,
+                         sin_t, pool, page_stride, 0, kv_half, pos_stride, head_stride, ps, qo_indptr, kv_lens,
+                         page_table, max_pages, B, tree, tree_indptr, Hq, Hkv, D, scale, attn);
+  if (!rows) R = T;
+  for (int64_t r = 0; r < R; r++) {  /* the rows that go on: their attention output and residual, compacted */
+    const int64_t src = rows ? rows[r] : r;
+    if (src != r) memmove(attn + r * q_width, attn + src * q_width, (size_t)q_width * 2);
+    memcpy(res + r * H, norm_before_residual ? x + src * 2 * H + H : h + src * H, (size_t)H * 2);
+  }
+  rc |= specpd_gemm_bf16(attn, R, q_width, w[6], 0, H, tmp);
+  add_rows(res, tmp, res, R * H);
+  rc |= specpd_rmsnorm(1, res, 0, w[7], tmp, 0, R, H, eps);
+  rc |= specpd_gemm_bf16(tmp, R, H, w[8], 0, 2 * inter, gu);
+  rc |= specpd_silu_mul(1, gu, act, R, inter);
+  rc |= specpd_gemm_bf16(act, R, inter, w[9], 0, H, tmp);
+  add_rows(res, tmp, out, R * H);
+  return rc;
+#else
+  return 2;
+#endif
+}

@@ -1,0 +1,111 @@
+"""EAGLE-3's bf16 CPU draft forward in one C call (csrc/cpu_stack.c, specpd_eagle3_bf16): no per-op Python.
+
+A speculating round runs the one-layer draft two or three times (the catch-up extend, a forward per draft level
+past the first). Its weights are ~10 MB, a 25th of the target's, but its Python path makes ~15 calls into C and
+torch per forward (norms, a concat, five GEMMs, attention, adds): ~0.3 ms, as much as the GEMMs themselves,
+which at batch 1 is a fifth of what speculating adds to a round (issue 32). `Eagle3Stack.run` makes one call
+through the same kernels in the same order; its output equals the Python path's bit for bit
+(tests/draft/test_eagle3_stack.py), K/V included.
+
+It runs where the target's stack would (specpd/model/cpu_stack.py): bf16, every linear on the bf16 GEMM kernel
+at this row count, the C attention backend with no long prompt chunk, no autograd. Anything else, and
+SPECPD_CPU_STACK=0: `run` returns None and the draft takes its Python path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from specpd.attention.cpu_backend import CpuAttentionBackend
+from specpd.kernels.build import INT64 as _I
+from specpd.kernels.build import VOID_P as _P
+from specpd.kernels.build import load
+from specpd.model import cpu_stack
+
+
+@functools.cache
+def _fn():
+    if cpu_stack._fn() is None:  # the same library and switches as the target's stack
+        return None
+    fn = load("cpu_stack.c").specpd_eagle3_bf16
+    _f = ctypes.c_float
+    fn.argtypes = [_I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+                   _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class Eagle3Stack:
+    """The C forward of one packed Eagle3Draft (`build`), its weights' pointers gathered once."""
+
+    def __init__(self, draft, fn):
+        self.draft, self.fn = draft, fn
+        layer = draft.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.hidden = draft.config.hidden_size
+        self.fc_in = draft.fc.in_features
+        self.nqkv, self.q_width, self.inter = attn.qkv_proj.out_features, attn.q_size, mlp.intermediate
+        self.eps = layer.input_layernorm.eps
+        self.norm_before_residual = int(layer.norm_before_residual)
+        self.max_rows = min(lin.few_rows for lin in _linears(draft))
+        fc_bias, qkv_bias = draft.fc.few_bias, attn.qkv_proj.few_bias
+        ptrs = [draft.fc.few_packed.data_ptr(), 0 if fc_bias is None else fc_bias.data_ptr(),
+                layer.input_layernorm.weight.data_ptr(), layer.hidden_norm.weight.data_ptr(),
+                attn.qkv_proj.few_packed.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
+                attn.o_proj.few_packed.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                mlp.gate_up_proj.few_packed.data_ptr(), mlp.down_proj.few_packed.data_ptr()]
+        self.weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self.weights_no_fc = (ctypes.c_void_p * len(ptrs))(0, 0, *ptrs[2:])
+
+    @classmethod
+    def build(cls, draft) -> "Eagle3Stack | None":
+        """The stack for `draft` (its linears packed), or None where the C path does not apply."""
+        fn = _fn()
+        layer = getattr(draft, "midlayer", None)
+        if fn is None or layer is None or not all(cpu_stack._kernel_linear(m) for m in _linears(draft)):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \
+                or mlp.down_proj.bias is not None:
+            return None
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+        if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms) \
+                or len({n.eps for n in norms}) != 1:
+            return None
+        return cls(draft, fn)
+
+    def run(self, hidden: torch.Tensor, embeds: torch.Tensor, rope, backend, meta, rows=None) -> torch.Tensor | None:
+        """Eagle3Draft.forward's result from `hidden` (the fused target features [T, 3H] or a draft hidden [T, H])
+        and the token embeddings [T, H]; None: take the Python path."""
+        t = hidden.shape[0]
+        if (t > self.max_rows or t == 0 or hidden.dtype != torch.bfloat16 or embeds.dtype != torch.bfloat16
+                or torch.is_grad_enabled() or not isinstance(backend, CpuAttentionBackend)):
+            return None
+        plan = backend._plan(meta)
+        if plan.long:
+            return None
+        fused = hidden.shape[-1] != self.hidden
+        hidden, embeds = hidden.contiguous(), embeds.contiguous()
+        new, width = hidden.new_empty, self.hidden
+        h = new(t, width) if fused else hidden
+        r = t if rows is None else rows.index.shape[0]
+        index = None if rows is None else rows.index.contiguous()
+        x, res, qkv, attn = new(t, 2 * width), new(t, width), new(t, self.nqkv), new(t, self.q_width)
+        tmp, gu, act, out = new(t, width), new(t, 2 * self.inter), new(t, self.inter), new(r, width)
+        p = plan.prepared
+        rc = self.fn(t, width, self.fc_in, self.nqkv, self.inter, self.eps, self.norm_before_residual,
+                     self.weights if fused else self.weights_no_fc, hidden.data_ptr() if fused else None,
+                     h.data_ptr(), embeds.data_ptr(), x.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                     tmp.data_ptr(), gu.data_ptr(), act.data_ptr(), None if index is None else index.data_ptr(), r,
+                     out.data_ptr(), rope.positions.data_ptr(), p.w_slots, rope.cos.data_ptr(),
+                     rope.signed_sin.data_ptr(), p.pool_args[0], p.pool_args[1], p.kv_half, *p.tail)
+        if rc != 0:
+            raise ValueError(f"eagle3 cpu stack: kernel error {rc}")
+        return out
+
+
+def _linears(draft):
+    layer = draft.midlayer
+    return (draft.fc, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

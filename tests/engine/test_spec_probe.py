@@ -1,7 +1,14 @@
-"""The probe budget (spec_policy.py 4): a probe dearer than what the budget saves over PROBE_CREDIT_ROUNDS rounds
-is still taken in time (the budget saves up to its price), and the whole stays within PROBE_BUDGET."""
+"""Probes (spec_policy.py 4): a probe dearer than what the budget saves over PROBE_CREDIT_ROUNDS rounds is still
+taken in time (the budget saves up to its price), and the whole stays within PROBE_BUDGET; a shadow probe's outcome
+is what the tree it stands for would have kept."""
+from types import SimpleNamespace
+
+import pytest
+
+from specpd.draft.proposer import DraftState
 from specpd.engine.spec_cost import CostModel
 from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_CREDIT_ROUNDS, AdaptivePolicy
+from specpd.engine.spec_runner import SpecRunner
 
 MS = 1e-3
 
@@ -24,3 +31,22 @@ def test_a_probe_dearer_than_the_saved_budget_is_taken_in_time():
             policy.observe("a", 1, 0)  # it failed: the next one waits longer, and for the budget
     assert probes >= 2
     assert spent <= PROBE_BUDGET * rounds * 10 * MS + probe_price  # the budget, and what it saved up
+
+
+@pytest.mark.parametrize("num_draft_tokens,kept", [(5, True), (3, False)])
+def test_a_shadow_probe_counts_what_the_trees_first_level_keeps(num_draft_tokens, kept):
+    """The committed token third in the draft's top-4: a full-width tree keeps min(K, T - 1) first-level nodes, so
+    with T = 5 it is accepted at depth 1 (with T = 3 it is not); a narrow round keeps the top-1 only. Counted as the
+    top-1 (as before), the chat workload's depth-1 acceptance read ~0.2 against the tree's ~0.6, and a served c1
+    server that once stopped speculating never started again (issue 32)."""
+    cost = CostModel({1: 10 * MS, 64: 100 * MS}, per_request=0.0, draft_rows={1: 1 * MS, 64: 10 * MS})
+    policy = AdaptivePolicy(2, 4, num_draft_tokens, cost, shadow=True)
+    runner = SimpleNamespace(policy=policy)
+    request = SimpleNamespace(request_id="a", spec_state=DraftState([7, 8, 9, 10], [0.4, 0.3, 0.2, 0.1], None))
+    policy._get("a").probing = True
+    SpecRunner._observe_shadow(runner, request, [9, 3])
+    st = policy._get("a")
+    assert (st.accepted[0], st.attempted[0]) == (float(kept), 1.0)
+    assert (st.chain_accepted[0], st.chain_attempted[0]) == (0.0, 1.0)  # the narrow shape's top-1 missed
+    SpecRunner._observe_shadow(runner, request, [7])  # the top-1: both shapes keep it
+    assert st.chain_accepted[0] == pytest.approx(1.0) and st.accepted[0] == pytest.approx(0.9 * kept + 1.0)

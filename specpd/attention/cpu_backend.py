@@ -107,15 +107,19 @@ class CpuAttentionBackend(AttentionBackend):
             return self._attend_with_long(qkv, rope, layer_id, plan)
         if rows is None:
             return plan.prepared.run(qkv, rope.positions, rope.cos, rope.signed_sin, layer_id)
-        if plan.rows is None or plan.rows[0] is not rows.meta:
-            q_meta = rows.meta
+        q = qkv[rows.index, :self.num_q_heads]  # [R, Hq, D], a copy
+        return self.rows_prepared(plan, rows.meta).run(qkv, rope.positions, rope.cos, rope.signed_sin, layer_id,
+                                                       q=q, q_pos=rope.positions[rows.index])
+
+    def rows_prepared(self, plan: _CpuPlan, q_meta: AttentionMetadata) -> Prepared:
+        """The kernel call of a step whose every row writes its K/V (plan's slots) and only `q_meta`'s rows attend
+        (OutputRows), built once per step and kept on the plan."""
+        if plan.rows is None or plan.rows[0] is not q_meta:
             tree = q_meta.tree_mask.contiguous() if q_meta.tree_mask is not None else None
             plan.rows = (q_meta, Prepared(self.kv_pool.buffer, self.num_q_heads, self.sm_scale, plan.write_slots,
                                           q_meta.qo_indptr, q_meta.kv_lens, q_meta.page_table, tree,
                                           q_meta.tree_mask_indptr if tree is not None else None))
-        q = qkv[rows.index, :self.num_q_heads]  # [R, Hq, D], a copy
-        return plan.rows[1].run(qkv, rope.positions, rope.cos, rope.signed_sin, layer_id, q=q,
-                                q_pos=rope.positions[rows.index])
+        return plan.rows[1]
 
     def _attend_with_long(self, qkv: torch.Tensor, rope, layer_id: int, plan: _CpuPlan) -> torch.Tensor:
         hq, pos = self.num_q_heads, rope.positions

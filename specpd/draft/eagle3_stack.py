@@ -31,7 +31,7 @@ def _fn():
         return None
     fn = load("cpu_stack.c").specpd_eagle3_bf16
     _f = ctypes.c_float
-    fn.argtypes = [_I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+    fn.argtypes = [_I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P,
                    _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
     fn.restype = ctypes.c_int
     return fn
@@ -90,17 +90,24 @@ class Eagle3Stack:
         hidden, embeds = hidden.contiguous(), embeds.contiguous()
         new, width = hidden.new_empty, self.hidden
         h = new(t, width) if fused else hidden
-        r = t if rows is None else rows.index.shape[0]
-        index = None if rows is None else rows.index.contiguous()
-        x, res, qkv, attn = new(t, 2 * width), new(t, width), new(t, self.nqkv), new(t, self.q_width)
-        tmp, gu, act, out = new(t, width), new(t, 2 * self.inter), new(t, self.inter), new(r, width)
+        x, res, qkv = new(t, 2 * width), new(t, width), new(t, self.nqkv)
+        tmp, gu, act = new(t, width), new(t, 2 * self.inter), new(t, self.inter)
         p = plan.prepared
+        if rows is None:
+            r, index, qg, qpos, tail = t, None, None, None, p.tail
+        else:  # only these rows attend and go on (their own metadata, as CpuAttentionBackend.attend takes it)
+            index = rows.index.contiguous()
+            r = index.shape[0]
+            qg, qpos = new(r, self.q_width), torch.empty(r, dtype=torch.int64)
+            tail = backend.rows_prepared(plan, rows.meta).tail
+        attn, out = new(r, self.q_width), new(r, width)
         rc = self.fn(t, width, self.fc_in, self.nqkv, self.inter, self.eps, self.norm_before_residual,
                      self.weights if fused else self.weights_no_fc, hidden.data_ptr() if fused else None,
                      h.data_ptr(), embeds.data_ptr(), x.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                      tmp.data_ptr(), gu.data_ptr(), act.data_ptr(), None if index is None else index.data_ptr(), r,
+                     None if qg is None else qg.data_ptr(), None if qpos is None else qpos.data_ptr(),
                      out.data_ptr(), rope.positions.data_ptr(), p.w_slots, rope.cos.data_ptr(),
-                     rope.signed_sin.data_ptr(), p.pool_args[0], p.pool_args[1], p.kv_half, *p.tail)
+                     rope.signed_sin.data_ptr(), p.pool_args[0], p.pool_args[1], p.kv_half, *tail)
         if rc != 0:
             raise ValueError(f"eagle3 cpu stack: kernel error {rc}")
         return out

@@ -70,14 +70,15 @@ int specpd_stack_bf16(int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t int
    kernels its Python path calls, in the same order: fc over the fused target features (when given), the two
    input norms side by side in one [T, 2H] row, qkv, paged attention at the draft's layer 0, o, the residual add,
    the post-attention norm, gate/up, SiLU x up, down, the second residual add. `rows` (R of them, or NULL for
-   all T): the rows that go on past attention (every row's K/V is written), as OutputRows does; a row's
-   attention output does not depend on the rows beside it, so gathering after it equals attending only those.
+   all T): the rows that attend and go on (every row's K/V is written), as OutputRows does: their queries and
+   positions gathered into qg / qpos, and the attention metadata (qo_indptr .. tree_indptr) is then theirs.
    w: fc (packed, NULL when the input is already a draft hidden), fc bias (fp32 or NULL), input_layernorm,
    hidden_norm, qkv (packed), qkv bias, o (packed), post_attention_layernorm, gate_up (packed), down (packed). */
 int specpd_eagle3_bf16(int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int64_t inter, float eps,
                        int64_t norm_before_residual, const void* const* w, const uint16_t* feat, uint16_t* h,
                        const uint16_t* embeds, uint16_t* x, uint16_t* res, uint16_t* qkv, uint16_t* attn,
-                       uint16_t* tmp, uint16_t* gu, uint16_t* act, const int64_t* rows, int64_t R, uint16_t* out,
+                       uint16_t* tmp, uint16_t* gu, uint16_t* act, const int64_t* rows, int64_t R, uint16_t* qg,
+                       int64_t* qpos, uint16_t* out,
                        const int64_t* pos, const int64_t* w_slot, const float* cos_t, const float* sin_t,
                        void* pool, int64_t page_stride, int64_t kv_half, int64_t pos_stride, int64_t head_stride,
                        int64_t ps, const int32_t* qo_indptr, const int32_t* kv_lens, const int32_t* page_table,
@@ -93,13 +94,25 @@ int specpd_eagle3_bf16(int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int64_
     rc |= specpd_rmsnorm(1, h + t * H, 0, w[3], x + t * 2 * H + H, 0, 1, H, eps);
   }
   rc |= specpd_gemm_bf16(x, T, 2 * H, w[4], w[5], nqkv, qkv);
-  rc |= specpd_attention(1, qkv, nqkv, pos, qkv + q_width, qkv + q_width + kv_width, nqkv, T, pos, w_slot, cos_t,
+  const uint16_t* q = qkv;
+  const int64_t* q_pos = pos;
+  int64_t q_stride = nqkv;
+  if (rows) {
+    for (int64_t r = 0; r < R; r++) {
+      memcpy(qg + r * q_width, qkv + rows[r] * nqkv, (size_t)q_width * 2);
+      qpos[r] = pos[rows[r]];
+    }
+    q_stride = q_width;
+    q = qg;
+    q_pos = qpos;
+  } else {
+    R = T;
+  }
+  rc |= specpd_attention(1, q, q_stride, q_pos, qkv + q_width, qkv + q_width + kv_width, nqkv, T, pos, w_slot, cos_t,
                          sin_t, pool, page_stride, 0, kv_half, pos_stride, head_stride, ps, qo_indptr, kv_lens,
                          page_table, max_pages, B, tree, tree_indptr, Hq, Hkv, D, scale, attn);
-  if (!rows) R = T;
-  for (int64_t r = 0; r < R; r++) {  /* the rows that go on: their attention output and residual, compacted */
+  for (int64_t r = 0; r < R; r++) {  /* the residual of the rows that go on */
     const int64_t src = rows ? rows[r] : r;
-    if (src != r) memmove(attn + r * q_width, attn + src * q_width, (size_t)q_width * 2);
     memcpy(res + r * H, norm_before_residual ? x + src * 2 * H + H : h + src * H, (size_t)H * 2);
   }
   rc |= specpd_gemm_bf16(attn, R, q_width, w[6], 0, H, tmp);

@@ -25,6 +25,10 @@ GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is kn
 # 4-5 at batch 8, where such a round costs three plain ones (issue 32)
 REQUEST_RATE = 0.2
 PROBE_MIN, PROBE_MAX = 8, 128
+# a shadow probe's interval stops doubling here: it costs a catch-up the finish-time settle would run anyway and no
+# verify row, and it is the only way back to speculating once the engine-wide rate fell (a c1 server whose first
+# replies accepted little probed every 128 rounds, i.e. about once a reply, and stayed at depth 0: issue 32)
+SHADOW_PROBE_MAX = 32
 
 
 @dataclass
@@ -122,7 +126,8 @@ class AcceptanceEstimates:
             return
         self._observed += 1
         if st.probing:
-            st.probe_every = PROBE_MIN if num_accepted > 0 else min(2 * st.probe_every, PROBE_MAX)
+            st.probe_every = PROBE_MIN if num_accepted > 0 else \
+                min(2 * st.probe_every, SHADOW_PROBE_MAX if shadow else PROBE_MAX)
         if self._narrow.get(request_id, False):  # a narrow round: its outcome is the narrow shape's only
             self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, num_accepted)
             return

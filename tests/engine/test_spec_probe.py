@@ -50,3 +50,22 @@ def test_a_shadow_probe_counts_what_the_trees_first_level_keeps(num_draft_tokens
     assert (st.chain_accepted[0], st.chain_attempted[0]) == (0.0, 1.0)  # the narrow shape's top-1 missed
     SpecRunner._observe_shadow(runner, request, [7])  # the top-1: both shapes keep it
     assert st.chain_accepted[0] == pytest.approx(1.0) and st.accepted[0] == pytest.approx(0.9 * kept + 1.0)
+
+
+def test_a_shadow_probes_interval_stops_doubling_at_its_own_cap():
+    """A shadow probe costs a catch-up the settle runs anyway and no verify row: its interval doubles on a miss up
+    to SHADOW_PROBE_MAX rounds, a verify probe's up to PROBE_MAX (issue 32: a c1 server whose first replies accepted
+    little probed about once a reply and stayed at depth 0)."""
+    from specpd.engine.spec_accept import PROBE_MAX, SHADOW_PROBE_MAX
+    cost = CostModel({1: 10 * MS, 64: 100 * MS}, per_request=0.0, draft_rows={1: 1 * MS, 64: 10 * MS})
+    policy = AdaptivePolicy(2, 4, 5, cost, shadow=True)
+    for shadow, cap in ((True, SHADOW_PROBE_MAX), (False, PROBE_MAX)):
+        st = policy._get(f"r{shadow}")
+        for _ in range(8):
+            st.probing = True
+            policy.observe(f"r{shadow}", 1, 0, top_path=0, shadow=shadow)
+        assert st.probe_every == cap
+        st.probing = True
+        policy.observe(f"r{shadow}", 1, 1, top_path=1, shadow=shadow)  # a hit: back to the shortest interval
+        assert st.probe_every == 8
+    assert SHADOW_PROBE_MAX < PROBE_MAX

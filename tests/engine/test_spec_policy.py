@@ -322,7 +322,9 @@ def test_the_idle_shortcut_plans_what_the_full_search_plans(shadow, frozen, monk
                 for p in (fast, full):
                     p.observe(rid, 0, 0)
                 pending[i] += 1
-    assert shortcuts > 100  # the shortcut was taken, most rounds of the useless batch
+    # the shortcut was taken in many rounds of the useless batch (fewer with shadow probes, which recur every
+    # SHADOW_PROBE_MAX rounds at most)
+    assert shortcuts > 60
     assert woke > 0 or not frozen  # and it let go once u2's probes kept hitting (unfrozen: the budget spaces them)
 
 

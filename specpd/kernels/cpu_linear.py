@@ -20,6 +20,8 @@ it stays ahead to 512 rows (329 vs 338 ms; evals/results/gemm.json). Without AMX
 oneDNN's copy of the weight is not made); with AMX, whose tiles make oneDNN's 17..32 rows cost what 16 do, it
 takes GEMMs of up to 16 rows from a second copy of the weight in its layout, and oneDNN the wider ones. It is
 batch invariant by construction, so bf16 is invariant at any width without AMX, up to 16 rows with it.
+fp32 on an AVX-512 CPU: its fp32 sibling (cpu_gemm_f32, the same layout and tiles with FMAs) takes every fp32
+GEMM, any width, so fp32 stays invariant; oneDNN keeps fp32 on AVX2 boxes.
 
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
@@ -33,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpd.kernels import cpu_gemm_bf16
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
 
+_KERNELS = {torch.bfloat16: cpu_gemm_bf16, torch.float32: cpu_gemm_f32}  # the project's GEMM per weight dtype
 PACK_ROWS_HINT = 16  # oneDNN picks the blocked layout for this many rows (bf16 rows 1..32 one kernel with it)
 
 
@@ -58,14 +61,20 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.bias = None if bias is None else bias.detach().clone()
-        self.few_rows = 0  # GEMMs of up to this many rows go to cpu_gemm_bf16 (0: none)
+        self.few_rows = 0  # GEMMs of up to this many rows go to the project's kernel (0: none)
         self.few_packed = self.few_bias = self.packed = None
-        if cpu_gemm_bf16.usable(weight):
-            self.few_rows = cpu_gemm_bf16.max_rows()
-            self.few_packed = cpu_gemm_bf16.pack(weight)
+        kernel = _KERNELS.get(self.dtype)
+        if kernel is not None and kernel.usable(weight):
+            self.few_rows = kernel.max_rows()
+            self.few_packed = kernel.pack(weight)
             self.few_bias = None if bias is None else self.bias.float().contiguous()
         if self.few_rows < cpu_gemm_bf16.ANY_WIDTH:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+
+    @property
+    def kernel(self):
+        """The project's GEMM module for this weight's dtype (cpu_gemm_bf16 / cpu_gemm_f32)."""
+        return _KERNELS[self.dtype]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "PackedLinear":
@@ -75,7 +84,7 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The [out, in] weight, unpacked on demand (serving never asks)."""
         if self.packed is None:
-            return cpu_gemm_bf16.unpack(self.few_packed, self.out_features)
+            return self.kernel.unpack(self.few_packed, self.out_features)
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,8 +93,8 @@ class PackedLinear(nn.Module):
             x = x.reshape(-1, shape[-1])
         if torch.is_grad_enabled() and x.requires_grad:  # a trainer backpropagating through a frozen packed layer
             out = F.linear(x, self.weight, self.bias)
-        elif x.shape[0] <= self.few_rows and x.dtype == torch.bfloat16:
-            out = cpu_gemm_bf16.gemm(x, self.few_packed, self.few_bias, self.out_features)
+        elif x.shape[0] <= self.few_rows and x.dtype == self.dtype:
+            out = self.kernel.gemm(x, self.few_packed, self.few_bias, self.out_features)
         elif self.packed is None:  # not the weight's dtype: no serving path sends one
             out = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         elif x.shape[0] == 1:  # as two rows: the M >= 2 kernel's rounding (module docstring)

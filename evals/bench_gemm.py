@@ -10,8 +10,9 @@ over M rows (1 = decode at batch 1; 2..64 = verify trees and batched decode). Pa
   - specpd's few-row bf16 kernel (specpd/kernels/cpu_gemm_bf16.py, AVX512-BF16 / AMX CPUs: what cpu_linear.py
     serves GEMMs of up to `max_rows()` rows with), and the floor: the weights' bytes over the read bandwidth
     measured on the box (evals/profile_step.py's `read_bandwidth`).
-(The project's own few-row fp32 kernel, cpu_gemm, lost to the prepacked paths at every row count and thread
-count on this AVX-512 box and was removed; git history has it.)
+  - specpd's fp32 kernel (specpd/kernels/cpu_gemm_f32.py, AVX-512 CPUs: the bf16 kernel's layout and tiles with
+    FMAs, what cpu_linear.py serves every fp32 GEMM with there). (An earlier few-row fp32 kernel, cpu_gemm, lost
+    to the prepacked paths on an AMX box and was removed; git history has it.)
 The paths are timed interleaved in every repetition (the box drifts); each figure is a median.
 
     .venv/bin/python evals/bench_gemm.py            → evals/results/gemm.json
@@ -32,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
 from evals.profile_step import read_bandwidth  # noqa: E402
-from specpd.kernels import cpu_gemm_bf16  # noqa: E402
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32  # noqa: E402
 from specpd.machine import isa, usable_cores  # noqa: E402
 
 OUT = os.path.join(REPO_ROOT, "evals", "results", "gemm.json")
@@ -65,6 +66,10 @@ def paths(ws: list[torch.Tensor], m: int, dtype: torch.dtype, threads: int) -> d
         few = [cpu_gemm_bf16.pack(w) for w in ws]
         out["specpd bf16 kernel"] = lambda: [cpu_gemm_bf16.gemm(xs[w.shape[1]], p, None, w.shape[0])
                                              for w, p in zip(ws, few)]
+    if dtype == torch.float32 and cpu_gemm_f32.available():
+        f32 = [cpu_gemm_f32.pack(w) for w in ws]
+        out["specpd fp32 kernel"] = lambda: [cpu_gemm_f32.gemm(xs[w.shape[1]], p, None, w.shape[0])
+                                             for w, p in zip(ws, f32)]
     return out
 
 

@@ -15,13 +15,15 @@ faster, but is not invariant: it is not used.
 
 bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
 read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
-on an AMD EPYC (AVX512-BF16, no AMX) cost 8.6 ms for 1 row against oneDNN's 14.0, 10.4 vs 14.9 for 8 rows, and
-it stays ahead to 512 rows (329 vs 338 ms; evals/results/gemm.json). Without AMX it takes every bf16 GEMM (and
-oneDNN's copy of the weight is not made); with AMX, whose tiles make oneDNN's 17..32 rows cost what 16 do, it
-takes GEMMs of up to 16 rows from a second copy of the weight in its layout, and oneDNN the wider ones. It is
-batch invariant by construction, so bf16 is invariant at any width without AMX, up to 16 rows with it.
+on an AMD EPYC (AVX512-BF16, no AMX) cost 10.4 ms for 1 row against oneDNN's 15.7, 8.9 vs 13.9 for 8 rows, and
+it stays ahead to 512 rows (336 vs 339 ms; evals/results/gemm.json; the box's bandwidth drifts between runs).
+Without AMX it takes every bf16 GEMM (and oneDNN's copy of the weight is not made); with AMX, whose tiles make
+oneDNN's 17..32 rows cost what 16 do, it takes GEMMs of up to 16 rows from a second copy of the weight in its
+layout, and oneDNN the wider ones. It is batch invariant by construction, so bf16 is invariant at any width
+without AMX, up to 16 rows with it.
 fp32 on an AVX-512 CPU: its fp32 sibling (cpu_gemm_f32, the same layout and tiles with FMAs) takes every fp32
-GEMM, any width, so fp32 stays invariant; oneDNN keeps fp32 on AVX2 boxes.
+GEMM, any width, so fp32 stays invariant (12.2 ms for 1 row against oneDNN's 22.6, 15.4 vs 23.5 for 8 rows, 730
+vs 714 for a 512-row prefill chunk); oneDNN keeps fp32 on AVX2 boxes.
 
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs

@@ -22,18 +22,35 @@ from specpd.kernels.build import load
 from specpd.machine import isa
 
 
+def load_gemm(name: str, isas: tuple[str, ...]):
+    """csrc/cpu_gemm_<name>.c built for this CPU with its pack and GEMM entry points typed, or None where it is
+    off (module docstring; cpu_gemm_f32 shares this)."""
+    if os.environ.get("SPECPD_GEMM_KERNEL", "1") == "0" or isa() not in isas:
+        return None
+    lib = load(f"cpu_gemm_{name}.c")
+    if lib is None or not getattr(lib, f"specpd_gemm_{name}_available")():
+        return None
+    typed = ((f"specpd_gemm_{name}_pack", [_P, _I, _I, _P]), (f"specpd_gemm_{name}", [_P, _I, _I, _P, _P, _I, _P]))
+    for fn, args in typed:
+        getattr(lib, fn).argtypes = args
+        getattr(lib, fn).restype = ctypes.c_int
+    return lib
+
+
+def run_gemm(fn, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias, fp32 [n]) -> [M, n] in x's dtype through a kernel entry point `fn`."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = x.new_empty(m, n)
+    rc = fn(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(), n, out.data_ptr())
+    if rc:
+        raise ValueError(f"{fn.__name__}: kernel error {rc} (M={m}, K={k}, N={n})")
+    return out
+
+
 @functools.cache
 def _lib():
-    if os.environ.get("SPECPD_GEMM_KERNEL", "1") == "0" or isa() not in ("amx", "avx512_bf16"):
-        return None
-    lib = load("cpu_gemm_bf16.c")
-    if lib is None or not lib.specpd_gemm_bf16_available():
-        return None
-    lib.specpd_gemm_bf16_pack.argtypes = [_P, _I, _I, _P]
-    lib.specpd_gemm_bf16_pack.restype = ctypes.c_int
-    lib.specpd_gemm_bf16.argtypes = [_P, _I, _I, _P, _P, _I, _P]
-    lib.specpd_gemm_bf16.restype = ctypes.c_int
-    return lib
+    return load_gemm("bf16", ("amx", "avx512_bf16"))
 
 
 def available() -> bool:
@@ -74,14 +91,7 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [M, K] bf16 @ W.T (+ bias, fp32 [n]) -> [M, n] bf16; `packed` from pack(W)."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = x.new_empty(m, n)
-    rc = _lib().specpd_gemm_bf16(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                 n, out.data_ptr())
-    if rc:
-        raise ValueError(f"gemm_bf16: kernel error {rc} (M={m}, K={k}, N={n})")
-    return out
+    return run_gemm(_lib().specpd_gemm_bf16, x, packed, bias, n)
 
 
 def gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

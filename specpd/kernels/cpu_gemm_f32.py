@@ -9,33 +9,17 @@ Off without AVX-512 (AVX2 boxes keep oneDNN), without a C compiler, with SPECPD_
 SPECPD_GEMM_KERNEL=0 (oneDNN then takes every fp32 GEMM, as before the kernel)."""
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from specpd.kernels.build import INT64 as _I
-from specpd.kernels.build import VOID_P as _P
-from specpd.kernels.build import load
-from specpd.machine import isa
-
-ANY_WIDTH = 1 << 62
+from specpd.kernels.cpu_gemm_bf16 import ANY_WIDTH, load_gemm, run_gemm
 
 
 @functools.cache
 def _lib():
-    if os.environ.get("SPECPD_GEMM_KERNEL", "1") == "0" or isa() not in ("amx", "avx512_bf16", "avx512"):
-        return None
-    lib = load("cpu_gemm_f32.c")
-    if lib is None or not lib.specpd_gemm_f32_available():
-        return None
-    lib.specpd_gemm_f32_pack.argtypes = [_P, _I, _I, _P]
-    lib.specpd_gemm_f32_pack.restype = ctypes.c_int
-    lib.specpd_gemm_f32.argtypes = [_P, _I, _I, _P, _P, _I, _P]
-    lib.specpd_gemm_f32.restype = ctypes.c_int
-    return lib
+    return load_gemm("f32", ("amx", "avx512_bf16", "avx512"))
 
 
 def available() -> bool:
@@ -68,14 +52,7 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [M, K] fp32 @ W.T (+ bias, fp32 [n]) -> [M, n] fp32; `packed` from pack(W)."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = x.new_empty(m, n)
-    rc = _lib().specpd_gemm_f32(x.data_ptr(), m, k, packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                n, out.data_ptr())
-    if rc:
-        raise ValueError(f"gemm_f32: kernel error {rc} (M={m}, K={k}, N={n})")
-    return out
+    return run_gemm(_lib().specpd_gemm_f32, x, packed, bias, n)
 
 
 def gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -3,11 +3,15 @@
 tree, the adaptive policy NOT pinned: it calibrates at startup and learns online) against a unified server on the
 same chat prompts, greedy, one request at a time:
   - D verifies on the requests the unified server verifies on (the bug: D that never speculated, depth 0 on every
-    round), and turns speculation off on no more of its rounds than unified does, within 0.4. Not two-sided, and
+    round), and turns speculation off on no more of its rounds than unified does, within 0.75. Not two-sided, and
     not tight: both policies learn online from their own timings. A unified server sharing a loaded box with
     another test's servers went to depth 0 on 19% of its rounds while D stayed at 0%; in a fresh-clone CI run with
     nothing else running, a decode-only D measured its draft 2.1x slower than calibrated (draft_scale) and went to
-    depth 0 on 26% of its rounds against unified's 0% (same outputs, same requests verified; it passed alone);
+    depth 0 on 26% of its rounds against unified's 0% (same outputs, same requests verified; it passed alone).
+    Since the fp32 GEMM kernel made a one-thread fp32 step ~2x cheaper, a verify round sits nearer the margin: a D
+    in draft-on-both mode, sharing the box with its P, read 63-67% depth-0 rounds in 2 of 7 runs against unified's
+    9% (same outputs, same requests verified), so the bound is 0.75. The bug it guards reads 1.0 and fails the
+    verified-request pattern besides;
   - the outputs are unified's (speculation changes speed, never output);
   - every response's usage carries spec_verify_count / spec_accepted_tokens / spec_accept_length (0, 0, null for a
     request that took no verify round: one whose y0 already ends it);
@@ -81,7 +85,7 @@ def test_the_decode_servers_policy_decides_as_the_unified_servers_does(unified, 
     assert verified == [u["usage"]["spec_verify_count"] > 0 for u in want], (
         [u["usage"] for u in got], [u["usage"] for u in want], d_info.get("spec_policy"), want_info.get("spec_policy"))
     share, want_share = d_info["spec_rounds_off_share"], want_info["spec_rounds_off_share"]
-    assert share <= want_share + 0.4, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
+    assert share <= want_share + 0.75, (share, want_share, d_info["spec_policy"], want_info["spec_policy"])
     # the router shows it: D's depth-0 share beside tau, and its calibrated cost model
     [summary] = router_info["decode_spec"]
     assert summary["spec_rounds_off_share"] == share and summary["spec_accept_length"] == d_info["spec_accept_length"]

@@ -62,14 +62,12 @@ def paths(ws: list[torch.Tensor], m: int, dtype: torch.dtype, threads: int) -> d
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in ws]
         out["mkl packed (per M)"] = lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, m)
                                              for w, p in zip(ws, mkl)]
-    if dtype == torch.bfloat16 and cpu_gemm_bf16.available():
-        few = [cpu_gemm_bf16.pack(w) for w in ws]
-        out["specpd bf16 kernel"] = lambda: [cpu_gemm_bf16.gemm(xs[w.shape[1]], p, None, w.shape[0])
-                                             for w, p in zip(ws, few)]
-    if dtype == torch.float32 and cpu_gemm_f32.available():
-        f32 = [cpu_gemm_f32.pack(w) for w in ws]
-        out["specpd fp32 kernel"] = lambda: [cpu_gemm_f32.gemm(xs[w.shape[1]], p, None, w.shape[0])
-                                             for w, p in zip(ws, f32)]
+    kernels = {torch.bfloat16: (cpu_gemm_bf16, "bf16"), torch.float32: (cpu_gemm_f32, "fp32")}
+    kernel, name = kernels.get(dtype, (None, ""))
+    if kernel is not None and kernel.available():
+        few = [kernel.pack(w) for w in ws]
+        out[f"specpd {name} kernel"] = lambda: [kernel.gemm(xs[w.shape[1]], p, None, w.shape[0])
+                                                for w, p in zip(ws, few)]
     return out
 
 

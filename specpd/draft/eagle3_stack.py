@@ -41,7 +41,7 @@ class Eagle3Stack:
     """The C forward of one packed Eagle3Draft (`build`), its weights' pointers gathered once."""
 
     def __init__(self, draft, fn):
-        self.draft, self.fn = draft, fn
+        self.fn = fn
         layer = draft.midlayer
         attn, mlp = layer.self_attn, layer.mlp
         self.hidden = draft.config.hidden_size

@@ -189,8 +189,8 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         if state is None or not committed:
             hit = top = False
         else:
-            width = max(1, min(self.policy.topk, self.policy.num_draft_tokens - 1))
-            hit, top = committed[0] in state.topk_ids[:width], committed[0] == state.topk_ids[0]
+            first_level = self.policy.rows(1) - 1  # a full-width depth-1 round's nodes past the root
+            hit, top = committed[0] in state.topk_ids[:first_level], committed[0] == state.topk_ids[0]
         self.policy.observe(request.request_id, 1, int(hit), top_path=int(top), shadow=True)
 
     def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float, shadow: set) -> list[SampledTokens]:

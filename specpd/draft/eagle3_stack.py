@@ -1,4 +1,4 @@
-"""EAGLE-3's bf16 CPU draft forward in one C call (csrc/cpu_stack.c, specpd_eagle3_bf16): no per-op Python.
+"""EAGLE-3's CPU draft forward in one C call, bf16 or fp32 (csrc/cpu_stack.c, specpd_eagle3): no per-op Python.
 
 A speculating round runs the one-layer draft two or three times (the catch-up extend, a forward per draft level
 past the first). Its weights are ~10 MB, a 25th of the target's, but its Python path makes ~15 calls into C and
@@ -7,9 +7,9 @@ which at batch 1 is a fifth of what speculating adds to a round (issue 32). `Eag
 through the same kernels in the same order; its output equals the Python path's bit for bit
 (tests/draft/test_eagle3_stack.py), K/V included.
 
-It runs where the target's stack would (specpd/model/cpu_stack.py): bf16, every linear on the bf16 GEMM kernel
-at this row count, the C attention backend with no long prompt chunk, no autograd. Anything else, and
-SPECPD_CPU_STACK=0: `run` returns None and the draft takes its Python path.
+It runs where the target's stack would (specpd/model/cpu_stack.py): bf16 or fp32, every linear on the project's
+GEMM kernel for that dtype at this row count, the C attention backend with no long prompt chunk, no autograd.
+Anything else, and SPECPD_CPU_STACK=0: `run` returns None and the draft takes its Python path.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import functools
 import torch
 
 from specpd.attention.cpu_backend import CpuAttentionBackend
+from specpd.kernels.build import DTYPE_CODES
 from specpd.kernels.build import INT64 as _I
 from specpd.kernels.build import VOID_P as _P
 from specpd.kernels.build import load
@@ -29,10 +30,10 @@ from specpd.model import cpu_stack
 def _fn():
     if cpu_stack._fn() is None:  # the same library and switches as the target's stack
         return None
-    fn = load("cpu_stack.c").specpd_eagle3_bf16
+    fn = load("cpu_stack.c").specpd_eagle3
     _f = ctypes.c_float
-    fn.argtypes = [_I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P,
-                   _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
+    fn.argtypes = [ctypes.c_int, _I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+                   _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
     fn.restype = ctypes.c_int
     return fn
 
@@ -42,6 +43,7 @@ class Eagle3Stack:
 
     def __init__(self, draft, fn):
         self.fn = fn
+        self.dtype = draft.fc.dtype  # every linear's (build checks)
         layer = draft.midlayer
         attn, mlp = layer.self_attn, layer.mlp
         self.hidden = draft.config.hidden_size
@@ -64,14 +66,17 @@ class Eagle3Stack:
         """The stack for `draft` (its linears packed), or None where the C path does not apply."""
         fn = _fn()
         layer = getattr(draft, "midlayer", None)
-        if fn is None or layer is None or not all(cpu_stack._kernel_linear(m) for m in _linears(draft)):
+        if fn is None or layer is None:
+            return None
+        dtype = getattr(draft.fc, "dtype", None)  # a PackedLinear's weight dtype
+        if dtype not in cpu_stack.STACK_DTYPES or not all(cpu_stack._kernel_linear(m, dtype) for m in _linears(draft)):
             return None
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \
                 or mlp.down_proj.bias is not None:
             return None
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
-        if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms) \
+        if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms) \
                 or len({n.eps for n in norms}) != 1:
             return None
         return cls(draft, fn)
@@ -80,7 +85,7 @@ class Eagle3Stack:
         """Eagle3Draft.forward's result from `hidden` (the fused target features [T, 3H] or a draft hidden [T, H])
         and the token embeddings [T, H]; None: take the Python path."""
         t = hidden.shape[0]
-        if (t > self.max_rows or t == 0 or hidden.dtype != torch.bfloat16 or embeds.dtype != torch.bfloat16
+        if (t > self.max_rows or t == 0 or hidden.dtype != self.dtype or embeds.dtype != self.dtype
                 or torch.is_grad_enabled() or not isinstance(backend, CpuAttentionBackend)):
             return None
         plan = backend._plan(meta)
@@ -101,7 +106,8 @@ class Eagle3Stack:
             qg, qpos = new(r, self.q_width), torch.empty(r, dtype=torch.int64)
             tail = backend.rows_prepared(plan, rows.meta).tail
         attn, out = new(r, self.q_width), new(r, width)
-        rc = self.fn(t, width, self.fc_in, self.nqkv, self.inter, self.eps, self.norm_before_residual,
+        rc = self.fn(DTYPE_CODES[self.dtype], t, width, self.fc_in, self.nqkv, self.inter, self.eps,
+                     self.norm_before_residual,
                      self.weights if fused else self.weights_no_fc, hidden.data_ptr() if fused else None,
                      h.data_ptr(), embeds.data_ptr(), x.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                      tmp.data_ptr(), gu.data_ptr(), act.data_ptr(), None if index is None else index.data_ptr(), r,

@@ -1,4 +1,5 @@
-"""A bf16 CPU forward's decoder layers in one C call (specpd/kernels/csrc/cpu_stack.c): no per-layer Python.
+"""A CPU forward's decoder layers in one C call, bf16 or fp32 (specpd/kernels/csrc/cpu_stack.c): no per-layer
+Python.
 
 The per-layer Python path makes ~10 calls into C per layer (norms, four GEMMs, attention, SiLU x up), each a
 ctypes call with its argument conversion and a tensor allocation: ~0.1 ms a layer, a quarter of a 30-layer
@@ -6,8 +7,9 @@ decode step once the GEMMs stream at the memory bandwidth. `Stack.run` makes one
 through the same kernels in the same order (its output equals the Python path's bit for bit:
 tests/kernels/test_cpu_stack.py), and releases the GIL for all of it.
 
-It runs where every kernel it chains would run anyway: a CausalLM packed for CPU in bf16 whose every linear
-takes the bf16 GEMM kernel at this row count (cpu_gemm_bf16: every width without AMX, up to 16 rows with it),
+It runs where every kernel it chains would run anyway: a CausalLM packed for CPU in bf16 or fp32 whose every
+linear takes the project's GEMM kernel for that dtype at this row count (cpu_gemm_bf16 on AVX512-BF16: every
+width without AMX, up to 16 rows with it; cpu_gemm_f32 on AVX-512: every width),
 the C attention backend with no long prompt chunk in the step (those take SDPA), no tensor parallelism (an
 all-reduce sits between layers), no quantization, no q/k norms, no autograd. Anything else: `run` returns None
 and the caller takes the Python path. SPECPD_CPU_STACK=0 turns it off (benchmarks A/B it that way).
@@ -21,7 +23,7 @@ import os
 import torch
 
 from specpd.attention.cpu_backend import CpuAttentionBackend
-from specpd.kernels import cpu_gemm_bf16
+from specpd.kernels.build import DTYPE_CODES
 from specpd.kernels.build import INT64 as _I
 from specpd.kernels.build import VOID_P as _P
 from specpd.kernels.build import load
@@ -32,21 +34,25 @@ WEIGHTS_PER_LAYER = 7  # csrc/cpu_stack.c's order: ln1, qkv, qkv bias, o, ln2, g
 
 @functools.cache
 def _fn():
-    if os.environ.get("SPECPD_CPU_STACK", "1") == "0" or not cpu_gemm_bf16.available():
+    if os.environ.get("SPECPD_CPU_STACK", "1") == "0":
         return None
     lib = load("cpu_stack.c")
     if lib is None:
         return None
-    fn = lib.specpd_stack_bf16
+    fn = lib.specpd_stack
     _f = ctypes.c_float
-    fn.argtypes = [_I, _I, _I, _I, _I, _f, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+    fn.argtypes = [ctypes.c_int, _I, _I, _I, _I, _I, _f, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
                    _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
     fn.restype = ctypes.c_int
     return fn
 
 
-def _kernel_linear(m) -> bool:
-    return isinstance(m, PackedLinear) and m.few_rows > 0
+STACK_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the project has a GEMM kernel for (cpu_linear)
+
+
+def _kernel_linear(m, dtype: torch.dtype) -> bool:
+    """`m` runs on the project's GEMM kernel for `dtype` (its weight packed in that kernel's layout)."""
+    return isinstance(m, PackedLinear) and m.few_rows > 0 and m.dtype == dtype
 
 
 class Stack:
@@ -54,6 +60,7 @@ class Stack:
 
     def __init__(self, model, fn):
         self.model, self.fn = model, fn
+        self.dtype = model.embed_tokens.weight.dtype
         cfg = model.config
         self.hidden, self.layers = cfg.hidden_size, len(model.layers)
         first = model.layers[0]
@@ -77,20 +84,21 @@ class Stack:
     def build(cls, model) -> "Stack | None":
         """The stack for `model` (after pack_for_cpu), or None where the C path does not apply."""
         fn = _fn()
-        if fn is None or not model.layers or model.embed_tokens.weight.dtype != torch.bfloat16:
+        dtype = model.embed_tokens.weight.dtype
+        if fn is None or not model.layers or dtype not in STACK_DTYPES:
             return None
         eps = {model.norm.eps}
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or not all(_kernel_linear(m) for m in _linears(layer)):
+            if attn.q_norm is not None or not all(_kernel_linear(m, dtype) for m in _linears(layer)):
                 return None
             if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms):
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None
             eps |= {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
-        if len(eps) != 1 or model.norm.weight.dtype != torch.bfloat16:
+        if len(eps) != 1 or model.norm.weight.dtype != dtype:
             return None
         return cls(model, fn)
 
@@ -98,7 +106,7 @@ class Stack:
             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """CausalLM.forward's result from the embeddings `h` [T, H] (overwritten), or None: take the Python path."""
         t = h.shape[0]
-        if (t > self.max_rows or t == 0 or h.dtype != torch.bfloat16 or torch.is_grad_enabled()
+        if (t > self.max_rows or t == 0 or h.dtype != self.dtype or torch.is_grad_enabled()
                 or not isinstance(backend, CpuAttentionBackend) or self.model.layers[0].self_attn.tp is not None):
             return None
         plan = backend._plan(meta)
@@ -114,9 +122,9 @@ class Stack:
         cap_ptrs = (ctypes.c_void_p * max(len(caps), 1))(*[c.data_ptr() for c in captured])
         p = plan.prepared
         positions = rope.positions
-        rc = self.fn(t, hidden, self.layers, self.nqkv, self.inter, self.eps, self.weights, self.final_norm,
-                     h.data_ptr(), res.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gu.data_ptr(),
-                     act.data_ptr(), out.data_ptr(), cap_ids, len(caps), cap_ptrs,
+        rc = self.fn(DTYPE_CODES[self.dtype], t, hidden, self.layers, self.nqkv, self.inter, self.eps, self.weights,
+                     self.final_norm, h.data_ptr(), res.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                     gu.data_ptr(), act.data_ptr(), out.data_ptr(), cap_ids, len(caps), cap_ptrs,
                      positions.data_ptr(), p.w_slots, rope.cos.data_ptr(), rope.signed_sin.data_ptr(),
                      p.pool_args[0], p.pool_args[1], p.layer_stride, p.kv_half, *p.tail)
         if rc != 0:

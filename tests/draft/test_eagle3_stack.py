@@ -1,7 +1,8 @@
 """EAGLE-3's C draft forward (specpd/draft/eagle3_stack.py) against the Python path it replaces, bit for bit: the
 output rows and every K/V byte of the draft's layer, on ragged batches over scattered pages across page
 boundaries — the fused target features (fc) and draft hiddens, the last rows only (OutputRows), tree masks — and
-in an engine: the same tokens, logprobs and verify outcomes. bf16 on a CPU with AVX512-BF16 only."""
+in an engine: the same tokens, logprobs and verify outcomes. bf16 on a CPU with AVX512-BF16, fp32 on one with
+AVX-512."""
 import pytest
 import torch
 
@@ -11,8 +12,9 @@ from specpd.draft import eagle3_stack
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
 from tests.engine.test_spec_smollm2 import collect_logprobs
+from tests.model.test_cpu_stack import DTYPES
 
-pytestmark = pytest.mark.skipif(eagle3_stack._fn() is None, reason="no bf16 GEMM kernel (AVX512-BF16) here")
+pytestmark = pytest.mark.skipif(eagle3_stack._fn() is None, reason="no C compiler (SPECPD_C_KERNELS=0)")
 
 NUM_PAGES = 96
 SPEC = SpecConfig("eagle3", draft_model="default", spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6,
@@ -24,8 +26,8 @@ def checkpoint():
     return load_checkpoint("default")
 
 
-def _engine(checkpoint):
-    return LLMEngine(EngineConfig(model="default", dtype="bfloat16", spec=SPEC,
+def _engine(checkpoint, dtype):
+    return LLMEngine(EngineConfig(model="default", dtype=dtype, spec=SPEC,
                                   cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
 
 
@@ -52,8 +54,9 @@ def _both(proposer, *args, **kw):
     return got, want, got_kv, pool.buffer.clone()
 
 
-def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint):
-    engine = _engine(checkpoint)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint, dtype):
+    engine = _engine(checkpoint, dtype)
     proposer = engine.spec_runner.proposer.model
     width = proposer.draft.config.hidden_size
     fused = proposer.draft.fc.in_features
@@ -75,7 +78,8 @@ def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint):
                 ids += torch.randint(0, 8000, (q,), generator=gen).tolist()
                 pos += list(range(c, c + q))
                 kv.append(c + q)
-            hidden = torch.randn(sum(q_lens), fused if trial % 2 == 0 else width, generator=gen).to(torch.bfloat16)
+            hidden = torch.randn(sum(q_lens), fused if trial % 2 == 0 else width, generator=gen)
+            hidden = hidden.to(proposer.draft.cpu_stack.dtype)
             tree = trial % 4 == 3
             masks = None
             if tree:  # each item's rows see a random subset of its rows at or before themselves
@@ -94,14 +98,15 @@ def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint):
     assert engine.free_pages == NUM_PAGES
 
 
-def test_draft_stack_engine_equals_python_path(checkpoint):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_draft_stack_engine_equals_python_path(checkpoint, dtype):
     tok = checkpoint.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                for q in ("Write a haiku about rain on a tin roof, then explain it.", "Name three prime numbers.")]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = []
     for stack in (True, False):
-        engine = _engine(checkpoint)
+        engine = _engine(checkpoint, dtype)
         draft = engine.spec_runner.proposer.model.draft
         assert draft.cpu_stack is not None
         if not stack:
@@ -116,18 +121,20 @@ def test_draft_stack_engine_equals_python_path(checkpoint):
     assert torch.equal(kv, want_kv)
 
 
-def test_draft_stack_declines_what_it_does_not_run(checkpoint):
-    engine = _engine(checkpoint)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_draft_stack_declines_what_it_does_not_run(checkpoint, dtype):
+    engine = _engine(checkpoint, dtype)
     proposer = engine.spec_runner.proposer.model
     stack = proposer.draft.cpu_stack
-    h = torch.zeros(2, proposer.draft.config.hidden_size, dtype=torch.bfloat16)
+    h = torch.zeros(2, proposer.draft.config.hidden_size, dtype=stack.dtype)
     with torch.enable_grad():
         assert stack.run(h, h, None, proposer.backend, None) is None  # autograd: the Python path
-    assert stack.run(h.float(), h.float(), None, proposer.backend, None) is None  # not bf16
+    other = (torch.float32 if stack.dtype == torch.bfloat16 else torch.bfloat16)
+    assert stack.run(h.to(other), h.to(other), None, proposer.backend, None) is None  # not the weights' dtype
     rows = stack.max_rows + 1
     if rows < 1 << 20:  # with AMX the kernel takes up to 16 rows: more go through oneDNN and Python
-        big = torch.zeros(rows, h.shape[1], dtype=torch.bfloat16)
+        big = torch.zeros(rows, h.shape[1], dtype=stack.dtype)
         assert stack.run(big, big, None, proposer.backend, None) is None
-    fp32 = LLMEngine(EngineConfig(model="default", dtype="float32", spec=SPEC,
+    fp16 = LLMEngine(EngineConfig(model="default", dtype="float16", spec=SPEC,
                                   cache=CacheConfig(page_size=16, num_pages=8)), checkpoint=checkpoint)
-    assert fp32.spec_runner.proposer.model.draft.cpu_stack is None
+    assert fp16.spec_runner.proposer.model.draft.cpu_stack is None

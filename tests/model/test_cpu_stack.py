@@ -1,18 +1,23 @@
 """The C decoder stack (specpd/model/cpu_stack.py) against the per-layer Python path it replaces, bit for bit:
 the same greedy tokens and logprobs, the same EAGLE-3 aux features (captured layers) and the same KV pool bytes,
 over ragged prompts across page boundaries, batched decode and tree verify (an EAGLE-3 engine, pinned policy),
-and a long prompt chunk (its step takes SDPA and the Python path). bf16 on a CPU with AVX512-BF16 only."""
+and a long prompt chunk (its step takes SDPA and the Python path). bf16 on a CPU with AVX512-BF16, fp32 on one with
+AVX-512 (the dtypes the project has a GEMM kernel for there)."""
 import pytest
 import torch
 
 from specpd.config import CacheConfig, EngineConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
 from specpd.model import cpu_stack
 from specpd.model.loader import load_checkpoint
 from tests.engine.test_spec_smollm2 import collect_logprobs
 
-pytestmark = pytest.mark.skipif(cpu_stack._fn() is None, reason="no bf16 GEMM kernel (AVX512-BF16) here")
+pytestmark = pytest.mark.skipif(cpu_stack._fn() is None, reason="no C compiler (SPECPD_C_KERNELS=0)")
+# each dtype where the project's GEMM kernel for it runs (else the stack never builds)
+DTYPES = [pytest.param("bfloat16", marks=pytest.mark.skipif(not cpu_gemm_bf16.available(), reason="no AVX512-BF16")),
+          pytest.param("float32", marks=pytest.mark.skipif(not cpu_gemm_f32.available(), reason="no AVX-512"))]
 
 NUM_PAGES = 96
 PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -30,8 +35,8 @@ def _prompts(tok):
     return prompts + [prompts[1] * 9]  # a long prompt: its chunk attends through SDPA, the step in Python
 
 
-def _run(checkpoint, prompts, spec, stack: bool):
-    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16", spec=spec,
+def _run(checkpoint, prompts, spec, stack: bool, dtype: str):
+    engine = LLMEngine(EngineConfig(model="default", dtype=dtype, spec=spec,
                                     cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
     model = engine.runner.model
     calls = {"stack": 0, "features": []}
@@ -56,10 +61,11 @@ def _run(checkpoint, prompts, spec, stack: bool):
 @pytest.mark.parametrize("spec", [SpecConfig(), SpecConfig("eagle3", draft_model="default", spec_num_steps=3,
                                                            spec_topk=2, spec_num_draft_tokens=6,
                                                            spec_adaptive_pinned=True)], ids=["plain", "eagle3"])
-def test_stack_equals_python_path(checkpoint, spec):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stack_equals_python_path(checkpoint, spec, dtype):
     prompts = _prompts(checkpoint.tokenizer)
-    want, want_kv, _ = _run(checkpoint, prompts, spec, stack=False)
-    got, got_kv, calls = _run(checkpoint, prompts, spec, stack=True)
+    want, want_kv, _ = _run(checkpoint, prompts, spec, stack=False, dtype=dtype)
+    got, got_kv, calls = _run(checkpoint, prompts, spec, stack=True, dtype=dtype)
     assert calls["stack"] > 0
     if spec.speculative_algorithm != "none":
         assert calls["features"], "the EAGLE-3 target's aux layers were captured by the stack"
@@ -68,14 +74,16 @@ def test_stack_equals_python_path(checkpoint, spec):
     assert torch.equal(got_kv, want_kv)  # every K/V byte, target and draft layers
 
 
-def test_stack_declines_what_it_does_not_run(checkpoint):
-    engine = LLMEngine(EngineConfig(model="default", dtype="bfloat16",
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stack_declines_what_it_does_not_run(checkpoint, dtype):
+    engine = LLMEngine(EngineConfig(model="default", dtype=dtype,
                                     cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
     stack = engine.runner.model.cpu_stack
-    h = torch.zeros(2, stack.hidden, dtype=torch.bfloat16)
+    h = torch.zeros(2, stack.hidden, dtype=stack.dtype)
     with torch.enable_grad():
         assert stack.run(h, None, engine.runner.backend, None, ()) is None  # autograd: the Python path
-    assert stack.run(h.float(), None, engine.runner.backend, None, ()) is None  # not bf16
-    fp32 = LLMEngine(EngineConfig(model="default", dtype="float32", cache=CacheConfig(page_size=16, num_pages=8)),
+    other = torch.float32 if stack.dtype == torch.bfloat16 else torch.bfloat16
+    assert stack.run(h.to(other), None, engine.runner.backend, None, ()) is None  # not the weights' dtype
+    fp16 = LLMEngine(EngineConfig(model="default", dtype="float16", cache=CacheConfig(page_size=16, num_pages=8)),
                      checkpoint=checkpoint)
-    assert fp32.runner.model.cpu_stack is None
+    assert fp16.runner.model.cpu_stack is None  # no GEMM kernel of the project's for fp16

@@ -5,7 +5,9 @@ For the default model in the configuration `specpd serve` picks on this machine 
 backend: specpd.machine), at batch 1 and 8, for a plain decode step and a verify step (an 8-node tree per
 request), with a ~300-token context per request on scattered pages:
   - floor: the bytes one step must read (every linear weight and the LM head once, each request's K/V once) over
-    the memory read bandwidth measured on this box at the same thread count;
+    the memory read bandwidth measured on this box at the same thread count, read once just before each timed
+    step: each step is set against the floor of its own moment, and the case reports the median ratio with its
+    10-90% range (`ReadProbe`);
   - the engine's step: a real `engine.step()` (scheduler, forward, sampling, postprocess, detokenizer) for
     decode; a runner-level forward + LM head + argmax for verify;
   - inside the forward, timed by wrapping each part (perf_counter, interleaved steps): GEMMs (every packed
@@ -49,29 +51,43 @@ CTX = 300
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4]  # an 8-node tree (node 0 = root)
 
 
-def read_bandwidth(threads: int, mib: int = 1024) -> float:
+class ReadProbe:
     """Bytes per second this box reads from a buffer far larger than the caches: the faster of torch summing an
     fp32 buffer and (AVX512-BF16 CPUs) specpd's bf16 GEMM kernel multiplying one row by a bf16 weight of the
-    same size, which streams ~10% faster than torch's sum here; median of 5 each. The faster read gives the
-    lower, stricter floor."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    probes = {"sum": lambda: buf.sum()}
-    if cpu_gemm_bf16.available():
-        weight = torch.ones(mib * 2**20 // 2 // 4096, 4096, dtype=torch.bfloat16)
-        packed, row = cpu_gemm_bf16.pack(weight), torch.ones(1, 4096, dtype=torch.bfloat16)
-        del weight
-        probes["gemv"] = lambda: cpu_gemm_bf16.gemm(row, packed, None, packed.shape[0] * 16)
-    best = 0.0
-    for probe in probes.values():
+    same size, which streams ~10% faster than torch's sum here. The faster read gives the lower, stricter floor.
+    `median()` reads each probe 5 times; `once()` reads the faster one once, just before each timed step, so each
+    step is paired with the bandwidth of its own moment (the box's moves with its neighbours' load: 27-61 GB/s in
+    one session, and a before/after pair can straddle a change)."""
+
+    def __init__(self, threads: int, mib: int = 1024):
+        self.threads, self.nbytes = threads, mib * 2**20
+        buf = torch.ones(self.nbytes // 4, dtype=torch.float32)
+        self.probes = {"sum": lambda: buf.sum()}
+        if cpu_gemm_bf16.available():
+            weight = torch.ones(self.nbytes // 2 // 4096, 4096, dtype=torch.bfloat16)
+            packed, row = cpu_gemm_bf16.pack(weight), torch.ones(1, 4096, dtype=torch.bfloat16)
+            del weight
+            self.probes["gemv"] = lambda: cpu_gemm_bf16.gemm(row, packed, None, packed.shape[0] * 16)
+        self.fastest = self.probes["sum"]
+
+    def _read(self, probe) -> float:
+        t0 = time.perf_counter()
         probe()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
+        return self.nbytes / (time.perf_counter() - t0)
+
+    def median(self) -> float:
+        torch.set_num_threads(self.threads)
+        best = 0.0
+        for probe in self.probes.values():
             probe()
-            times.append(time.perf_counter() - t0)
-        best = max(best, mib * 2**20 / statistics.median(times))
-    return best
+            rate = statistics.median(self._read(probe) for _ in range(5))
+            if rate > best:
+                best, self.fastest = rate, probe
+        return best
+
+    def once(self) -> float:
+        torch.set_num_threads(self.threads)
+        return self._read(self.fastest)
 
 
 def step_bytes(engine: LLMEngine, batch: int, ctx: int) -> int:
@@ -138,14 +154,15 @@ def instrument(engine: LLMEngine) -> Timers:
     return t
 
 
-def make_engine(batch: int) -> LLMEngine:
+def make_engine(batch: int, dtype: str | None = None) -> LLMEngine:
     pages = batch * (-(-(CTX + 200) // 16)) + 8
+    extra = {"dtype": dtype} if dtype else {}
     return LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=pages),
-                                  scheduler=EngineConfig().scheduler))
+                                  scheduler=EngineConfig().scheduler, **extra))
 
 
 @torch.inference_mode()
-def decode_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> dict:
+def decode_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers, probe: ReadProbe) -> dict:
     """engine.step() over `batch` requests decoding after a CTX-token prompt: per-step medians by category."""
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
@@ -159,6 +176,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> d
         engine.step()
     per = defaultdict(list)
     for _ in range(steps):
+        per["bandwidth"].append(probe.once())
         timers.reset()
         t0 = time.perf_counter()
         engine.step()
@@ -173,7 +191,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> d
 
 
 @torch.inference_mode()
-def verify_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> dict:
+def verify_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers, probe: ReadProbe) -> dict:
     """A forward over an 8-node tree per request (+ LM head and argmax on every row), scattered pages."""
     runner = engine.runner
     alloc = runner.kv_pool.allocator
@@ -196,6 +214,7 @@ def verify_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> d
     per = defaultdict(list)
     try:
         for s in range(steps + 3):
+            bandwidth = probe.once()
             timers.reset()
             t0 = time.perf_counter()
             meta = AttentionMetadata.build([n] * batch, [CTX + n] * batch, pages, 16, tree_masks=[mask] * batch)
@@ -204,6 +223,7 @@ def verify_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> d
             runner.model.compute_logits(hidden).argmax(dim=-1).tolist()
             if s >= 3:
                 per["step"].append(time.perf_counter() - t0)
+                per["bandwidth"].append(bandwidth)
                 for k, v in timers.total.items():
                     per[k].append(v)
     finally:
@@ -213,7 +233,7 @@ def verify_steps(engine: LLMEngine, batch: int, steps: int, timers: Timers) -> d
 
 
 def summarize(per: dict) -> dict:
-    med = {k: 1000 * statistics.median(v) for k, v in per.items()}
+    med = {k: 1000 * statistics.median(v) for k, v in per.items() if k != "bandwidth"}
     fwd = med.get("forward", 0.0)
     out = {"step_ms": med["step"], "forward_ms": fwd, "gemm_ms": med.get("gemm", 0.0),
            "attention_ms": med.get("attention", 0.0), "norms_ms": med.get("norms", 0.0)}
@@ -223,7 +243,23 @@ def summarize(per: dict) -> dict:
     if lm is not None:
         out["lm_head_and_sampling_ms"] = lm
         out["engine_bookkeeping_ms"] = med["step"] - med.get("execute", med["step"])
-    return {k: round(v, 3) for k, v in out.items()}
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["pairs"] = list(zip(per["step"], per["bandwidth"]))  # (step s, its probe's B/s); `against_floor` reads them
+    return out
+
+
+def against_floor(case: dict, nbytes: int) -> dict:
+    """Each timed step over the floor of its own moment (its bytes over the bandwidth read just before it):
+    the median ratio with its spread, and the median bandwidth and floor."""
+    pairs = case.pop("pairs")
+    ratios = sorted(step * bw / nbytes for step, bw in pairs)
+    bw = statistics.median(b for _, b in pairs)
+    return {"bytes_read_mb": round(nbytes / 2**20, 1), "read_bandwidth_gbs": round(bw / 1e9, 2),
+            "read_bandwidth_gbs_range": [round(min(b for _, b in pairs) / 1e9, 1),
+                                         round(max(b for _, b in pairs) / 1e9, 1)],
+            "floor_ms": round(1000 * nbytes / bw, 3), "step_over_floor": round(statistics.median(ratios), 2),
+            "step_over_floor_range": [round(ratios[len(ratios) // 10], 2), round(ratios[-1 - len(ratios) // 10], 2)],
+            "paired_steps": len(ratios)}
 
 
 def server_tpot() -> dict | None:
@@ -251,44 +287,39 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--server", action="store_true", help="also time a real server's TPOT (HTTP and streaming)")
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (default: what `specpd serve` picks here)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     result = {"meta": {"machine": machine_info(), "isa": isa(), "versions": versions(), "context_tokens": CTX,
-                       "command": "python evals/profile_step.py" + (" --server" if args.server else "")},
+                       "command": "python evals/profile_step.py" + (" --server" if args.server else "")
+                       + (f" --dtype {args.dtype}" if args.dtype else "")},
               "cases": {}}
     for batch in args.batches:
-        engine = make_engine(batch)
+        engine = make_engine(batch, args.dtype)
         runtime = engine.runner.runtime_info()
         result["meta"]["runtime"] = runtime
         timers = instrument(engine)
         try:
+            probe = ReadProbe(runtime["num_threads"])
+            probe.median()  # picks the faster probe
             for kind, fn in (("decode", decode_steps), ("verify_tree8", verify_steps)):
-                # the box's read bandwidth moves with its neighbours' load (27-61 GB/s in one session): read just
-                # before and just after the case, the faster of the two makes the (stricter) floor
-                bw_before = read_bandwidth(runtime["num_threads"])
                 torch.set_num_threads(runtime["num_threads"])
                 stack = engine.runner.model.cpu_stack
-                case = fn(engine, batch, args.steps, timers)  # as served: the C stack where it runs
+                case = fn(engine, batch, args.steps, timers, probe)  # as served: the C stack where it runs
+                nbytes = step_bytes(engine, batch, CTX)
+                floor = against_floor(case, nbytes)
                 if stack is not None:  # its layers are one C call: the parts come from the per-layer path
                     engine.runner.model.cpu_stack = None
                     try:
-                        python = fn(engine, batch, args.steps, timers)
+                        python = fn(engine, batch, args.steps, timers, probe)
                     finally:
                         engine.runner.model.cpu_stack = stack
+                    python["step_over_floor"] = against_floor(python, nbytes)["step_over_floor"]
                     case = {"step_ms": case["step_ms"], "forward_ms": case["forward_ms"],
                             **{k: v for k, v in case.items() if k in ("lm_head_and_sampling_ms",
                                                                        "engine_bookkeeping_ms")},
                             "per_layer_python_path": python}
-                rows = batch * (1 if kind == "decode" else len(TREE_PARENTS))
-                nbytes = step_bytes(engine, batch, CTX)
-                bw_after = read_bandwidth(runtime["num_threads"])
-                bw = max(bw_before, bw_after)
-                torch.set_num_threads(runtime["num_threads"])
-                case.update({"rows": rows, "bytes_read_mb": round(nbytes / 2**20, 1),
-                             "read_bandwidth_gbs": round(bw / 1e9, 2),
-                             "read_bandwidth_gbs_before_after": [round(bw_before / 1e9, 2), round(bw_after / 1e9, 2)],
-                             "floor_ms": round(1000 * nbytes / bw, 3)})
-                case["step_over_floor"] = round(case["step_ms"] / case["floor_ms"], 2)
+                case.update({"rows": batch * (1 if kind == "decode" else len(TREE_PARENTS)), **floor})
                 result["cases"][f"b{batch}/{kind}"] = case
                 log(f"b{batch}/{kind}", case)
         finally:

@@ -152,10 +152,12 @@ def profile_step(d: dict) -> str:
     rows = []
     for name, c in d["cases"].items():
         py = c.get("per_layer_python_path", c)  # where the C stack ran, its parts come from the per-layer path
-        rows.append([name, _f(c["step_ms"], 1), _f(c["floor_ms"], 1), _f(c["step_ms"] / c["floor_ms"], 2, "×"),
+        over = c.get("step_over_floor", c["step_ms"] / c["floor_ms"])  # paired with each step's own bandwidth read
+        rows.append([name, _f(c["step_ms"], 1), _f(c["floor_ms"], 1),
+                     _f(over, 2, "×") + _spread(c.get("step_over_floor_range")),
                      _f(py["step_ms"], 1) if py is not c else "–", _f(py["gemm_ms"], 1), _f(py["attention_ms"], 1)])
-    return _table(["case", "step ms", "floor ms", "over the floor", "per-layer path step ms", "its GEMMs ms",
-                   "its attention ms"], rows)
+    return _table(["case", "step ms", "floor ms (median read)", "over the floor (10–90%)", "per-layer path step ms",
+                   "its GEMMs ms", "its attention ms"], rows)
 
 
 def profile_depth0(d: dict) -> str:

@@ -15,7 +15,8 @@ request), with a ~300-token context per request on scattered pages:
     rest (residual adds, activations, embedding, Python between ops); outside it, sampling and the engine's
     own bookkeeping (scheduler, postprocess, detokenizer). Where the C stack runs the layers (bf16 on an
     AVX512-BF16 CPU, fp32 on an AVX-512 one, specpd/model/cpu_stack.py) no part is visible from Python: the case
-    then holds the step and forward as served, and `per_layer_python_path` the same case on the per-layer path with its parts;
+    then holds the step and forward as served, and `per_layer_python_path` the same case on the per-layer path
+    with its parts;
   - with --server: a real `specpd serve` with its defaults, one streamed request (96 tokens, greedy,
     ignore_eos): its TPOT minus the engine step is HTTP, the event loop and the stream;
   - the peer's TPOT at concurrency 1 from evals/results/peers.json when that file exists.

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -389,27 +390,43 @@ int specpd_attention(int dt,
             qo_indptr, kv_lens, page_table, max_pages, tree, tree_indptr, Hq, Hkv, D, scale, out};
   if (k) write_kv(&a, k, v, kv_stride, Tw, w_pos, w_slot);
   if (!q) return 0;
-  /* work items: (sequence, kv head, block of RB rows); rough cost = rows x visible keys. Threads from ~1000
+  /* work items: (sequence, kv head, block of rb rows); rough cost = rows x visible keys. Threads from ~1000
      row-keys x heads on: a decode row over 300 positions (9 query / 3 KV heads: 2700) costs ~55 us on one thread
      a layer, latency-bound on its scattered pages, and 2 threads take a b1 step's attention from ~1.7 to ~1.2 ms
-     (the OpenMP team is warm from the GEMMs). An item is computed the same on any thread: no result changes. */
-  int64_t items = 0, work = 0;
+     (the OpenMP team is warm from the GEMMs). Blocks of RB rows, or fewer where that leaves the threads fewer than
+     two items each (a b1 tree verify's 8 rows over 3 KV heads: 3 items, one thread doing two). An item is computed
+     the same on any thread and a row the same in any block: no result changes. */
+  int64_t items = 0, work = 0, rows = 0;
   for (int64_t b = 0; b < B; b++) {
     int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
     items += Hkv * ((ql + RB - 1) / RB);
     work += ql * (int64_t)kv_lens[b] * Hq;
+    rows += ql;
+  }
+  int64_t rb = RB;
+  const int64_t want = 2 * (int64_t)omp_get_max_threads();
+  if (items < want && rows > B) {  /* split the row blocks (more K/V loads, but every thread busy) */
+    const int64_t per_seq = (want + Hkv * B - 1) / (Hkv * B);  /* blocks wanted per sequence and head */
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++)
+      if (qo_indptr[b + 1] - qo_indptr[b] > longest) longest = qo_indptr[b + 1] - qo_indptr[b];
+    rb = (longest + per_seq - 1) / per_seq;
+    if (rb < 1) rb = 1;
+    if (rb > RB) rb = RB;
+    items = 0;
+    for (int64_t b = 0; b < B; b++) items += Hkv * ((qo_indptr[b + 1] - qo_indptr[b] + rb - 1) / rb);
   }
   #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work > 1024)
   for (int64_t it = 0; it < items; it++) {
     int64_t rest = it, b = 0;
     for (; b < B; b++) {
-      int64_t ql = qo_indptr[b + 1] - qo_indptr[b], n = Hkv * ((ql + RB - 1) / RB);
+      int64_t ql = qo_indptr[b + 1] - qo_indptr[b], n = Hkv * ((ql + rb - 1) / rb);
       if (rest < n) break;
       rest -= n;
     }
     int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
-    int64_t blocks = (ql + RB - 1) / RB, h = rest / blocks, blk = rest % blocks;
-    int64_t r0 = blk * RB, nr = (ql - r0 < RB) ? ql - r0 : RB;
+    int64_t blocks = (ql + rb - 1) / rb, h = rest / blocks, blk = rest % blocks;
+    int64_t r0 = blk * rb, nr = (ql - r0 < rb) ? ql - r0 : rb;
     attend_block(&a, b, h, r0, nr);
   }
   return 0;

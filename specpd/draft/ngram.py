@@ -165,6 +165,12 @@ class NgramProposer(Proposer):
             ranked = [i for i, ok in zip(ranked, allowed) if ok]
         return [(order[i][0], order[i][1] / (total + 1)) for i in ranked[: self.topk]]
 
+    def first_guesses(self, req: Request, width: int) -> list[int]:
+        """The tokens a depth-1 round would propose for the request's next token now, best first (at most
+        `width`; none without a match): a shadow probe's guess (spec_runner), a lookup that costs microseconds."""
+        tokens = self._sync(req)
+        return [token for token, _ in self.candidates(req, tokens[-self.max_match:])][:width]
+
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         trees = []
         for i, req in enumerate(requests):

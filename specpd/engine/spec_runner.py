@@ -43,6 +43,9 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         # the last decode round, read when the next one starts (`_observe_cycle`): (start, requests, speculated,
         # seconds of its execute)
         self._last_round: tuple[float, int, bool, float] | None = None
+        # an n-gram drafter's shadow probes: each probing request's depth-1 guesses, looked up before the round
+        # commits its token (a draft model's are its caught-up draft state's top-k)
+        self._guesses: dict[str, list[int]] = {}
 
     @property
     def decode_width(self) -> int:
@@ -73,6 +76,9 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             plans = policy.plan([r.request_id for r in requests], len(others), sum(it.num_tokens for it in others),
                                 pending, [self._prompt_pending.get(r.request_id, 0) for r in requests])
             shadow = set(policy.shadow_probes)  # at depth 0, their drafts caught up: a shadow probe each
+            if shadow and isinstance(self.proposer, NgramProposer):
+                self._guesses = {r.request_id: self.proposer.first_guesses(r, policy.rows(1) - 1)
+                                 for r in requests if r.request_id in shadow}
             catching = [r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow]
             # a prompt's deferred extend (unpriced) in the catch-up: work the eager extend did at prefill, not what
             # this round's speculation costs, so the round is not read (observe_round, observe_round_time)
@@ -184,13 +190,21 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         (up to min(K, T - 1) of the top-k), a narrow round its top-1: a greedy verify accepts depth 1 iff the
         token is among them. Counting the top-1 hit as the tree's (as before) read the chat workload's depth-1
         acceptance as ~0.2 against the tree's ~0.6, and a server that once stopped speculating never started
-        again: its probes were its only evidence (issue 32)."""
-        state = request.spec_state
-        if state is None or not committed:
+        again: its probes were its only evidence (issue 32). An n-gram drafter's guesses are its lookup's,
+        made before the round (`first_guesses`): free, so a model-free request at depth 0 probes every round,
+        where a verify-row probe waited for the probe budget and a grounded n-gram server whose first requests
+        found no matches never speculated again (issue 32)."""
+        first_level = self.policy.rows(1) - 1  # a full-width depth-1 round's nodes past the root
+        guesses = self._guesses.pop(request.request_id, None)
+        if guesses is None:
+            state = request.spec_state
+            guesses = None if state is None else state.topk_ids
+        elif not guesses:  # an n-gram without a match had nothing to offer: no outcome (it probes again next round)
+            return
+        if guesses is None or not committed:
             hit = top = False
         else:
-            first_level = self.policy.rows(1) - 1  # a full-width depth-1 round's nodes past the root
-            hit, top = committed[0] in state.topk_ids[:first_level], committed[0] == state.topk_ids[0]
+            hit, top = committed[0] in guesses[:first_level], committed[0] == guesses[0]
         self.policy.observe(request.request_id, 1, int(hit), top_path=int(top), shadow=True)
 
     def _plain_round(self, batch: ScheduledBatch, suppress, t_round: float, shadow: set) -> list[SampledTokens]:
@@ -314,7 +328,8 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         # acceptance) do not depend on it
         settled = (settles_deferred or spec.spec_adaptive_pinned) and proposer.needs_hidden
         spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
-                                            shadow=proposer.needs_hidden, catch_up_settled=settled)
+                                            shadow=proposer.needs_hidden or isinstance(proposer, NgramProposer),
+                                            catch_up_settled=settled)
     return spec_runner
 
 

@@ -41,7 +41,7 @@ def test_a_shadow_probe_counts_what_the_trees_first_level_keeps(num_draft_tokens
     server that once stopped speculating never started again (issue 32)."""
     cost = CostModel({1: 10 * MS, 64: 100 * MS}, per_request=0.0, draft_rows={1: 1 * MS, 64: 10 * MS})
     policy = AdaptivePolicy(2, 4, num_draft_tokens, cost, shadow=True)
-    runner = SimpleNamespace(policy=policy)
+    runner = SimpleNamespace(policy=policy, _guesses={})
     request = SimpleNamespace(request_id="a", spec_state=DraftState([7, 8, 9, 10], [0.4, 0.3, 0.2, 0.1], None))
     policy._get("a").probing = True
     SpecRunner._observe_shadow(runner, request, [9, 3])

@@ -110,6 +110,40 @@ def test_a_row_does_not_depend_on_its_batch(dtype):
         assert torch.equal(alone, together[j:j + 1]), j
 
 
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depths 0 1 1 2 2 2 3 3: nodes in their siblings' slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefix", [60, 100, 32])  # the tree's slots across a chunk boundary, inside one, at one
+def test_a_tree_row_equals_the_decode_step_over_its_path(dtype, prefix):
+    """A tree verify's node j sits in slot prefix + j while its position is prefix + depth(j): it must compute
+    what a decode row at that position computes over the same keys (its ancestors in consecutive positions), bit
+    for bit. Reading keys by slot, a node in a sibling's slot summed its softmax lanes in another order: a bf16
+    EAGLE server's greedy output diverged from plain decoding (issue 32's exactness)."""
+    n = len(TREE_PARENTS)
+    depth, paths = [], []
+    for j, par in enumerate(TREE_PARENTS):
+        depth.append(0 if par < 0 else depth[par] + 1)
+        paths.append(([] if par < 0 else paths[par]) + [j])
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for j, path in enumerate(paths):
+        mask[j, path] = True
+    pool, meta, qkv, _ = make_case([n], [prefix + n], 9, 3, 64, 16, dtype, seed=3)
+    meta = AttentionMetadata.build([n], [prefix + n], [meta.page_table[0].tolist()], 16, tree_masks=[mask])
+    positions = torch.tensor([prefix + d for d in depth])
+    together = run(paged_attention, pool, meta, qkv, positions, 9, 3)  # writes the nodes' K/V at their slots
+    pages = meta.page_table[0].tolist()
+    for j, path in enumerate(paths):
+        alone_pool = KVPool(pool.num_pages, 3, 16, 3, 64, dtype)
+        alone_pool.buffer.copy_(pool.buffer)
+        for t, node in enumerate(path):  # the path's K/V in consecutive positions, as decoding it wrote them
+            src, dst = prefix + node, prefix + t
+            alone_pool.buffer[pages[dst // 16], LAYER, :, dst % 16] = pool.buffer[pages[src // 16], LAYER, :, src % 16]
+        one = AttentionMetadata.build([1], [prefix + depth[j] + 1], [pages], 16)
+        alone = run(paged_attention, alone_pool, one, qkv[j:j + 1], positions[j:j + 1], 9, 3)
+        assert torch.equal(alone, together[j:j + 1]), (j, depth[j])
+
+
 def test_bad_shapes_are_refused():
     pool, meta, qkv, positions = make_case([1], [5], 4, 2, 16, 4, torch.float32)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -192,7 +192,103 @@ static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, i
   }
 }
 
-/* one work item: sequence b, kv head h, query rows [r0, r0 + nr) of the sequence */
+/* What one work item's chunks share: its queries (RoPE'd, scaled), online-softmax state and scratch. */
+typedef struct {
+  const Args* a;
+  int64_t D, G;
+  int fast, permuted;
+  float* Q;    /* [V][D] */
+  float* acc;  /* [V][D] */
+  float* m;
+  float* l;
+  float* KT;   /* [D][CH] */
+  float* Vc;   /* [CH][D] (the generic path's V rows) */
+} Block;
+
+/* One chunk of n <= CH keys at element offsets offs[] (K half; V is at + v_off - k_off) for the active query
+   vectors act[0..nact): vis / keep per block row (a 0 / -inf score offset and a 1 / 0 probability factor), or
+   `full` (every key visible to every active vector, the same result as all-visible masks). */
+static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
+                      const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
+  const Args* a = k->a;
+  const int64_t D = k->D, G = k->G;
+  float (*KT)[CH] = (float (*)[CH])k->KT;
+  float (*Vc)[D] = (float (*)[D])k->Vc;
+  float (*Q)[D] = (float (*)[D])k->Q;
+  float (*acc)[D] = (float (*)[D])k->acc;
+  float* m = k->m;
+  float* l = k->l;
+  int64_t voff[CH];  /* the fast path's V rows, read in place */
+#if defined(__AVX512F__) && CH == 16
+  if (k->fast) {  /* keys transposed in registers, 16 x 16 blocks; V is read in place by the chunk kernel */
+    if (a->dt == 1) {  /* bf16: 32 dims per load, even and odd dims into their own KT rows */
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        for (int odd = 0; odd < 2; odd++) {
+          __m512 r[16];
+          for (int64_t j = 0; j < CH; j++) {
+            const uint16_t* p = (const uint16_t*)a->pool + offs[j] + a->k_off + d0;
+            r[j] = j >= n ? _mm512_setzero_ps() : odd ? bf16_odd16(p) : bf16_even16(p);
+          }
+          transpose16(r);
+          for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 2 * d + odd], r[d]);
+        }
+      }
+    } else {
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 r[16];
+        for (int64_t j = 0; j < CH; j++) r[j] = j < n ? load16(a->pool, a->dt, offs[j] + a->k_off + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + d], r[d]);
+      }
+    }
+    for (int64_t j = 0; j < n; j++) voff[j] = offs[j] + a->v_off;
+    if (D == 128) chunk_avx512_d128(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    else if (nact % 3 == 0 && nact % 4 != 0) chunk_avx512_d64_nv3(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    else chunk_avx512_d64(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; j++) {
+    float kr[DMAX];
+    load(a->pool, a->dt, offs[j] + a->k_off, D, kr);
+    for (int64_t d = 0; d < D; d++) KT[d][j] = kr[d];
+    load(a->pool, a->dt, offs[j] + a->v_off, D, Vc[j]);
+  }
+  for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) KT[d][j] = 0.0f;
+  for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) Vc[j][d] = 0.0f;
+  for (int64_t k0 = 0; k0 < nact; k0++) {
+    const int64_t v = act[k0], i = v / G;
+    float sc[CH], p[CH], sum = 0.0f;
+    for (int64_t j = 0; j < CH; j++) sc[j] = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+      const float qd = Q[v][d];
+      for (int64_t j = 0; j < CH; j++) sc[j] += qd * KT[d][j];
+    }
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < CH; j++) { sc[j] += full ? 0.0f : vis[i][j]; mx = sc[j] > mx ? sc[j] : mx; }
+    const float m_new = mx > m[v] ? mx : m[v];
+    for (int64_t j = 0; j < CH; j++) p[j] = exp_neg(sc[j] - m_new) * (full ? 1.0f : keep[i][j]);
+    for (int64_t j = 0; j < CH; j++) sum += p[j];
+    const float alpha = exp_neg(m[v] - m_new);  /* m[v] = -inf the first time: 0 */
+    l[v] = l[v] * alpha + sum;
+    m[v] = m_new;
+    float* o = acc[v];
+    for (int64_t d = 0; d < D; d++) o[d] *= alpha;
+    for (int64_t j = 0; j < n; j++) {
+      const float pj = p[j];
+      for (int64_t d = 0; d < D; d++) o[d] += pj * Vc[j][d];
+    }
+  }
+}
+
+/* one work item: sequence b, kv head h, query rows [r0, r0 + nr) of the sequence.
+   Keys are read in chunks of CH positions. Without a tree mask a key's slot is its position. With one, a row's
+   visible tree nodes (its ancestors and itself, in index order: one per depth) sit in slots prefix + t that are
+   not their positions (a sibling takes the slot), so from the chunk holding `prefix` on each row reads its own
+   keys by position: lane j of chunk c is position c + j, which is a prefix slot or the row's ancestor at depth
+   c + j - prefix. A tree row then meets its keys in the chunks and lanes a decode row at its position meets them
+   (the same sums in the same order), so a verify row equals the decode step over the same prefix bit for bit,
+   in bf16 too; reading by slot, a node in a sibling's slot summed its softmax lanes in another order. */
 static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr) {
   const int64_t D = a->D, G = a->Hq / a->Hkv, V = nr * G;  /* V query vectors: row-major (row, group head) */
   const int64_t q_start = a->qo_indptr[b], q_len = a->qo_indptr[b + 1] - q_start, kv_len = a->kv_lens[b];
@@ -208,13 +304,12 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
   float m[V], l[V];
   float KT[D][CH] __attribute__((aligned(64)));  /* a chunk's keys, transposed: scores vectorise over keys */
   float Vc[CH][D] __attribute__((aligned(64)));  /* the generic path's fp32 V rows */
-  int64_t voff[CH];  /* the fast path's V rows, read in place */
 #if defined(__AVX512F__) && CH == 16
   const int fast = D == 64 || D == 128;
 #else
   const int fast = 0;
 #endif
-  const int permuted = fast && a->dt == 1;  /* bf16 accumulators hold even / odd dims per 32 (load_v) */
+  const Block k = {a, D, G, fast, fast && a->dt == 1, &Q[0][0], &acc[0][0], m, l, &KT[0][0], &Vc[0][0]};
   int64_t last = 0;  /* one past the last position any row of the block sees */
   for (int64_t i = 0; i < nr; i++) {
     int64_t row = r0 + i, t = q_start + row;
@@ -228,12 +323,14 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     int64_t end = tree ? kv_len : prefix + row + 1;
     if (end > last) last = end;
   }
+  /* the chunks every row reads by slot: all of them, or with a tree those wholly before `prefix` */
+  const int64_t shared = tree ? (prefix / CH) * CH : last;
   int64_t offs[CH], next[CH];
-  chunk_slots(a, b, h, 0, last < CH ? last : CH, offs);
-  for (int64_t c = 0; c < last; c += CH) {
+  chunk_slots(a, b, h, 0, shared < CH ? shared : CH, offs);
+  for (int64_t c = 0; c < shared; c += CH) {
     if (c > 0) memcpy(offs, next, sizeof offs);  /* walked (and prefetched) by the chunk before */
-    const int64_t n = (last - c < CH) ? last - c : CH;
-    const int64_t n2 = (last - c - CH < CH) ? last - c - CH : CH;  /* the next chunk's positions */
+    const int64_t n = (shared - c < CH) ? shared - c : CH;
+    const int64_t n2 = (shared - c - CH < CH) ? shared - c - CH : CH;  /* the next chunk's positions */
     if (n2 > 0) {
       /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
          rows now, while this chunk computes (a hint only; it changes no result) */
@@ -246,41 +343,6 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
           __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 3);
         }
     }
-#if defined(__AVX512F__) && CH == 16
-    if (fast) {  /* keys transposed in registers, 16 x 16 blocks; V is read in place by the chunk kernel */
-      if (a->dt == 1) {  /* bf16: 32 dims per load, even and odd dims into their own KT rows */
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-          for (int odd = 0; odd < 2; odd++) {
-            __m512 r[16];
-            for (int64_t j = 0; j < CH; j++) {
-              const uint16_t* p = (const uint16_t*)a->pool + offs[j] + a->k_off + d0;
-              r[j] = j >= n ? _mm512_setzero_ps() : odd ? bf16_odd16(p) : bf16_even16(p);
-            }
-            transpose16(r);
-            for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 2 * d + odd], r[d]);
-          }
-        }
-      } else {
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-          __m512 r[16];
-          for (int64_t j = 0; j < CH; j++) r[j] = j < n ? load16(a->pool, a->dt, offs[j] + a->k_off + d0) : _mm512_setzero_ps();
-          transpose16(r);
-          for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + d], r[d]);
-        }
-      }
-      for (int64_t j = 0; j < n; j++) voff[j] = offs[j] + a->v_off;
-    } else
-#endif
-    {
-      for (int64_t j = 0; j < n; j++) {
-        float kr[DMAX];
-        load(a->pool, a->dt, offs[j] + a->k_off, D, kr);
-        for (int64_t d = 0; d < D; d++) KT[d][j] = kr[d];
-        load(a->pool, a->dt, offs[j] + a->v_off, D, Vc[j]);
-      }
-      for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) KT[d][j] = 0.0f;
-      for (int64_t j = n; j < CH; j++) for (int64_t d = 0; d < D; d++) Vc[j][d] = 0.0f;
-    }
     /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the
        probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
     float vis[nr][CH], keep[nr][CH];
@@ -289,7 +351,6 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     for (int64_t i = 0; i < nr; i++) {
       const int64_t row = r0 + i;
       if (full) {
-        if (!fast) for (int64_t j = 0; j < CH; j++) { vis[i][j] = 0.0f; keep[i][j] = 1.0f; }
         for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
         continue;
       }
@@ -297,42 +358,33 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
       for (int64_t j = 0; j < CH; j++) {
         int64_t pos = c + j;
         int ok = j < n && pos < kv_len;
-        if (ok && pos >= prefix) ok = tree ? tree[row * width + (pos - prefix)] != 0 : pos - prefix <= row;
+        if (ok && pos >= prefix) ok = pos - prefix <= row;
         vis[i][j] = ok ? 0.0f : -INFINITY;
         keep[i][j] = ok ? 1.0f : 0.0f;
         any |= ok;
       }
       if (any) for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
     }
-#if defined(__AVX512F__) && CH == 16
-    if (fast) {
-      if (D == 128) chunk_avx512_d128(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
-      else if (nact % 3 == 0 && nact % 4 != 0) chunk_avx512_d64_nv3(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
-      else chunk_avx512_d64(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
-      continue;
-    }
-#endif
-    for (int64_t k0 = 0; k0 < nact; k0++) {
-      const int64_t v = act[k0], i = v / G;
-      float sc[CH], p[CH], sum = 0.0f;
-      for (int64_t j = 0; j < CH; j++) sc[j] = 0.0f;
-      for (int64_t d = 0; d < D; d++) {
-        const float qd = Q[v][d];
-        for (int64_t j = 0; j < CH; j++) sc[j] += qd * KT[d][j];
-      }
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < CH; j++) { sc[j] += vis[i][j]; mx = sc[j] > mx ? sc[j] : mx; }
-      const float m_new = mx > m[v] ? mx : m[v];
-      for (int64_t j = 0; j < CH; j++) p[j] = exp_neg(sc[j] - m_new) * keep[i][j];
-      for (int64_t j = 0; j < CH; j++) sum += p[j];
-      const float alpha = exp_neg(m[v] - m_new);  /* m[v] = -inf the first time: 0 */
-      l[v] = l[v] * alpha + sum;
-      m[v] = m_new;
-      float* o = acc[v];
-      for (int64_t d = 0; d < D; d++) o[d] *= alpha;
-      for (int64_t j = 0; j < n; j++) {
-        const float pj = p[j];
-        for (int64_t d = 0; d < D; d++) o[d] += pj * Vc[j][d];
+    run_chunk(&k, offs, n, (const float (*)[CH])vis, (const float (*)[CH])keep, full, act, nact);
+  }
+  if (tree) {  /* from the chunk holding `prefix` on: each row its own keys, by position */
+    for (int64_t i = 0; i < nr; i++) {
+      const int64_t row = r0 + i;
+      int64_t path[width], depth = 0;  /* the row's visible tree slots in index order: path[d] at depth d */
+      for (int64_t t = 0; t < width; t++)
+        if (tree[row * width + t]) path[depth++] = t;
+      const int64_t end = prefix + depth;  /* one past the row's own position */
+      int64_t act[GMAX];
+      for (int64_t g = 0; g < G; g++) act[g] = i * G + g;
+      for (int64_t c = shared; c < end; c += CH) {
+        const int64_t n = end - c < CH ? end - c : CH;
+        for (int64_t j = 0; j < n; j++) {
+          const int64_t pos = c + j;
+          chunk_slots(a, b, h, pos < prefix ? pos : prefix + path[pos - prefix], 1, offs + j);
+        }
+        float vis[nr][CH], keep[nr][CH];  /* row i's: the first n lanes, as a decode row's last chunk */
+        for (int64_t j = 0; j < CH; j++) { vis[i][j] = j < n ? 0.0f : -INFINITY; keep[i][j] = j < n ? 1.0f : 0.0f; }
+        run_chunk(&k, offs, n, (const float (*)[CH])vis, (const float (*)[CH])keep, n == CH, act, G);
       }
     }
   }
@@ -342,7 +394,7 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
       const int64_t v = i * G + g;
       const float inv = l[v] > 0.0f ? 1.0f / l[v] : 0.0f;
       float o[DMAX];
-      if (permuted) {  /* vector 2h: dims 32h + 2i; vector 2h + 1: dims 32h + 2i + 1 */
+      if (k.permuted) {  /* vector 2h: dims 32h + 2i; vector 2h + 1: dims 32h + 2i + 1 */
         for (int64_t h0 = 0; h0 < D; h0 += 32)
           for (int64_t i2 = 0; i2 < 16; i2++) {
             o[h0 + 2 * i2] = acc[v][h0 + i2] * inv;

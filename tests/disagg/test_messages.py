@@ -201,7 +201,7 @@ def test_draft_on_both_pairs_only_the_same_tree_shape():
         return peer_config(SimpleNamespace(config=cfg), "tcp")
 
     check_compatible(side("both"), side("both"))
-    assert side("both").draft_shape == "3,2,6"  # the hybrid's default shape
-    with pytest.raises(ConfigMismatch, match=r"draft_shape: prefill='3,2,6' decode='3,4,8'"):
+    assert side("both").draft_shape == "2,4,5"  # the hybrid's default shape
+    with pytest.raises(ConfigMismatch, match=r"draft_shape: prefill='2,4,5' decode='3,4,8'"):
         check_compatible(side("both"), side("both", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))
     check_compatible(side("decode-only"), side("decode-only", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))

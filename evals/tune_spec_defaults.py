@@ -4,10 +4,10 @@
 For EAGLE-3 and MTP (chat workload), the hybrid (EAGLE-3 with n-gram candidates merged: the EAGLE family's
 default) and ngram (grounded workload), batch 1, adaptive on, at the torch threads `specpd serve` runs with here
 (`--threads`; runs before this option were at 1): every candidate shape runs with non-spec on the same prompt in
-lockstep (spec_workloads.lockstep_run: the engines
-take one step each in turn, each timed by its own steps), prompt by prompt; the shape with the best median
-ratio is the default. The reported numbers (evals/spec_workloads.py) use the held-out split, never these prompts. Each run updates
-its algorithms' entries of the result file (each with its own meta) and keeps the others'.
+lockstep (spec_workloads.lockstep_run: the engines take one step each in turn, each timed by its own steps),
+prompt by prompt; the shape with the best median ratio is the default. The reported numbers
+(evals/spec_workloads.py) use the held-out split, never these prompts. Each run updates its algorithms' entries of
+the result file (each with its own meta) and keeps the others'.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class Eagle3Stack:
         if fn is None or layer is None:
             return None
         dtype = getattr(draft.fc, "dtype", None)  # a PackedLinear's weight dtype
-        if dtype not in cpu_stack.STACK_DTYPES or not all(cpu_stack._kernel_linear(m, dtype) for m in _linears(draft)):
+        if not all(cpu_stack._kernel_linear(m, dtype) for m in _linears(draft)):
             return None
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None or attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None \

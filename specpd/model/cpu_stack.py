@@ -47,9 +47,6 @@ def _fn():
     return fn
 
 
-STACK_DTYPES = (torch.bfloat16, torch.float32)  # the dtypes the project has a GEMM kernel for (cpu_linear)
-
-
 def _kernel_linear(m, dtype: torch.dtype) -> bool:
     """`m` runs on the project's GEMM kernel for `dtype` (its weight packed in that kernel's layout)."""
     return isinstance(m, PackedLinear) and m.few_rows > 0 and m.dtype == dtype
@@ -85,7 +82,7 @@ class Stack:
         """The stack for `model` (after pack_for_cpu), or None where the C path does not apply."""
         fn = _fn()
         dtype = model.embed_tokens.weight.dtype
-        if fn is None or not model.layers or dtype not in STACK_DTYPES:
+        if fn is None or not model.layers:
             return None
         eps = {model.norm.eps}
         for layer in model.layers:

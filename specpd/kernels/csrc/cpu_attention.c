@@ -448,20 +448,17 @@ int specpd_attention(int dt,
      (the OpenMP team is warm from the GEMMs). Blocks of RB rows, or fewer where that leaves the threads fewer than
      two items each (a b1 tree verify's 8 rows over 3 KV heads: 3 items, one thread doing two). An item is computed
      the same on any thread and a row the same in any block: no result changes. */
-  int64_t items = 0, work = 0, rows = 0;
+  int64_t items = 0, work = 0, longest = 0;
   for (int64_t b = 0; b < B; b++) {
     int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
     items += Hkv * ((ql + RB - 1) / RB);
     work += ql * (int64_t)kv_lens[b] * Hq;
-    rows += ql;
+    if (ql > longest) longest = ql;
   }
   int64_t rb = RB;
   const int64_t want = 2 * (int64_t)omp_get_max_threads();
-  if (items < want && rows > B) {  /* split the row blocks (more K/V loads, but every thread busy) */
+  if (items < want && longest > 1) {  /* split the row blocks (more K/V loads, but every thread busy) */
     const int64_t per_seq = (want + Hkv * B - 1) / (Hkv * B);  /* blocks wanted per sequence and head */
-    int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++)
-      if (qo_indptr[b + 1] - qo_indptr[b] > longest) longest = qo_indptr[b + 1] - qo_indptr[b];
     rb = (longest + per_seq - 1) / per_seq;
     if (rb < 1) rb = 1;
     if (rb > RB) rb = RB;

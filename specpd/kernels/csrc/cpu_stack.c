@@ -16,12 +16,12 @@
 
 static inline int64_t elem_size(int dt) { return dt == 0 ? 4 : 2; }
 
-/* the project's GEMM for the dtype: y[M, N] = x[M, K] @ W^T (+ bias), W packed by that kernel's pack */
+/* the project's GEMM for the dtype (0 fp32, 1 bf16: the callers admit no other): y[M, N] = x[M, K] @ W^T (+ bias),
+   W packed by that kernel's pack */
 static int gemm(int dt, const void* x, int64_t M, int64_t K, const void* packed, const float* bias, int64_t N,
                 void* y) {
   if (dt == 0) return specpd_gemm_f32((const float*)x, M, K, (const float*)packed, bias, N, (float*)y);
-  if (dt == 1) return specpd_gemm_bf16((const uint16_t*)x, M, K, (const uint16_t*)packed, bias, N, (uint16_t*)y);
-  return 2;
+  return specpd_gemm_bf16((const uint16_t*)x, M, K, (const uint16_t*)packed, bias, N, (uint16_t*)y);
 }
 
 /* dst = a + b over n elements in the dtype, as torch adds: an fp32 sum, rounded once (bf16: to nearest even) */

@@ -305,8 +305,8 @@ class DecodeWorker(DisaggWorker):
             endpoint = room.route.zmq_endpoint
             self._send(endpoint, DecodeRegister(room.info.room, "", self.peer_config))
             if local:  # D holds all but a short suffix: prefill it here, P drops the room
-                self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
-                                                   [], cached_tokens=cached, prefill_locally=True))
+                self._send(endpoint, KVDestination(room.info.room, tuple(self.kv.endpoints), [],
+                                                   cached_tokens=cached, prefill_locally=True))
                 self.local_prefills += 1
                 self.engine.add_request(room.request_id, room.prompt_token_ids, room.params)
                 continue
@@ -316,7 +316,7 @@ class DecodeWorker(DisaggWorker):
                 cache.count_lookup(n, cached)
             room.pages = (list(match.pages) if cached else []) + allocator.alloc(need)
             room.marks["offered"] = time.monotonic()  # before the send: P may start before this thread resumes
-            self._send(endpoint, KVDestination(room.info.room, self.backend.session_id, self.backend.layouts,
+            self._send(endpoint, KVDestination(room.info.room, tuple(self.kv.endpoints),
                                                room.pages[cached // page_size:], cached_tokens=cached))
             self.transfer_queue[room.info.room] = room
             room.sent_at = time.monotonic()
@@ -345,8 +345,6 @@ class DecodeWorker(DisaggWorker):
                 if rec.target_hidden is not None and rec.hidden_start != drafted:
                     raise ValueError(f"target features from position {rec.hidden_start}, D's draft KV covers "
                                      f"{drafted} tokens ({room.cached_tokens} cached)")
-                # under tensor parallelism the handoff landed in rank 0's whole pages: each rank takes its heads
-                self.engine.runner.scatter_pages(room.pages[room.cached_tokens // self.peer_config.page_size:])
                 self.engine.add_prebuilt_request(room.request_id, room.prompt_token_ids, room.params, room.pages,
                                                  rec.handoff_token, lp, draft_state=draft_state,
                                                  target_hidden=rec.target_hidden, sampler_state=rec.sampler_state,

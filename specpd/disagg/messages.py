@@ -5,13 +5,16 @@ One request's handoff, keyed by `bootstrap_room` (the router draws it and sends 
 1. D -> P `DecodeRegister`: room, D's control endpoint, D's `PeerConfig`. P runs `check_compatible` and
    answers a mismatch with `TransferFailed` naming both values; D refuses a mismatched P the same way
    from P's config (bootstrap `/route`).
-2. D -> P `KVDestination`: room, D's transfer session, the layout of D's page pools, the destination page
-   ids (D allocated them in its prealloc queue). P's sender is now WaitingForInput -> Transferring.
-3. P writes the prompt's KV pages (target, and draft pools in draft-on-both mode) through the transfer
-   backend (data plane, `specpd.disagg.transfer`), one descriptor per page.
+2. D -> P `KVDestination`: room, every D rank's transfer endpoint (session, page pools and the KV heads and
+   layers each holds), the destination page ids (D allocated them in its prealloc queue). P's sender is now
+   WaitingForInput -> Transferring.
+3. Each P rank writes its heads of the prompt's KV pages (target, and the draft's layers in draft-on-both
+   mode) into the D ranks that hold them through its own transfer backend (data plane,
+   `specpd.disagg.transfer`), one descriptor per page and overlapping head range (specpd/disagg/kv_layout.py).
 4. P -> D `HandoffRecord`: y0 and everything D needs to run its first forward (DESIGN.md §2). P may send
    it as soon as y0 is sampled, before the KV writes finish.
-5. P -> D `TransferDone` once every page write completed (or `TransferFailed` with the reason). D's receiver
+5. P -> D `TransferDone` once every page write of every P rank completed (or `TransferFailed` with the reason:
+   one rank's failed write fails the room, after the other ranks' writes ended). D's receiver
    reaches Success only when it holds both 4 and 5. P frees its own pages after sending 5.
 6. Abort: D -> P `Abort` (client gone, timeout). P stops issuing writes for the room and answers `AbortAck`
    once no write into D's pages is in flight; only then does D free the destination pages (or after a hard
@@ -42,7 +45,8 @@ PROTOCOL_VERSION = 1
 DRAFT_MODES = ("none", "both", "decode_only")  # where the draft extend over the prompt runs
 
 
-KV_LAYOUT = "page[layer][k|v][slot][kv_head][dim], all heads"
+# what a page holds in memory (specpd/kv/pool.py); a peer with another layout is refused at bootstrap naming both
+KV_LAYOUT = "page[kv_head][layer][k|v][slot][dim], per-rank head ranges"
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,17 @@ class PeerConfig:
     transfer_backend: str = "tcp"  # specpd.disagg.transfer.TRANSFER_BACKENDS: both sides must move pages alike
     # structured outputs: P masks y0 and D every later token, so both must compile grammars alike
     grammar_backend: str = ""  # specpd.grammar.backend_id(), e.g. "xgrammar==0.2.9"
-    # what a page on the wire holds, whatever either side's tensor-parallel size: every KV head of every layer
-    # (a TP server gathers and scatters its ranks' heads on rank 0, specpd/model/tp.py), so P and D of any TP
-    # sizes pair; a server with another wire layout is refused naming both
+    # how a page holds its KV (heads outside layers and positions): a server with another layout is refused
     kv_layout: str = KV_LAYOUT
     # draft-on-both: P drafts D's first round (its top-k over the prompt), so both must draft the same tree
     # shape, "num_steps,topk,num_draft_tokens" as each resolved it ("" in the other modes: D alone drafts)
     draft_shape: str = ""
+    # each side's own (they may differ): the KV heads a rank holds are a contiguous 1/tp_size of `kv_heads`
+    tp_size: int = 1
+    kv_heads: int = 0
+
+
+_OWN_FIELDS = ("tp_size",)  # may differ between P and D
 
 
 class ConfigMismatch(ValueError):
@@ -73,7 +81,12 @@ class ConfigMismatch(ValueError):
 
 def check_compatible(p_cfg: PeerConfig, d_cfg: PeerConfig) -> None:
     diffs = [f"{f.name}: prefill={getattr(p_cfg, f.name)!r} decode={getattr(d_cfg, f.name)!r}"
-             for f in dataclasses.fields(PeerConfig) if getattr(p_cfg, f.name) != getattr(d_cfg, f.name)]
+             for f in dataclasses.fields(PeerConfig)
+             if f.name not in _OWN_FIELDS and getattr(p_cfg, f.name) != getattr(d_cfg, f.name)]
+    for side, cfg in (("prefill", p_cfg), ("decode", d_cfg)):
+        if cfg.tp_size < 1 or (cfg.kv_heads and cfg.kv_heads % cfg.tp_size):
+            diffs.append(f"{side} tp_size {cfg.tp_size} cannot hold the {cfg.kv_heads} KV heads in equal head ranges "
+                         f"(prefill tp_size={p_cfg.tp_size}, decode tp_size={d_cfg.tp_size})")
     if diffs:
         raise ConfigMismatch("prefill and decode servers are incompatible: " + "; ".join(diffs))
 
@@ -85,6 +98,36 @@ class PoolLayout:
     base_address: int  # 0 for backends that address pages by pool index (tcp)
     page_bytes: int
     num_pages: int
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """What a registered pool's pages hold (specpd/disagg/kv_layout.py): KV heads [head_start, +num_heads) of
+    layers [layer_start, +num_layers) (target layers first, then the draft's), a page being
+    [num_heads, num_layers, 2, page_size, head_dim] in memory: one (head, layer) is `block_bytes`."""
+
+    head_start: int
+    num_heads: int
+    layer_start: int
+    num_layers: int
+    block_bytes: int
+
+    def holds(self, head: int, layer: int) -> bool:
+        return (self.head_start <= head < self.head_start + self.num_heads
+                and self.layer_start <= layer < self.layer_start + self.num_layers)
+
+    def offset(self, head: int, layer: int) -> int:
+        return ((head - self.head_start) * self.num_layers + layer - self.layer_start) * self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """One rank's transfer endpoint: its backend session, its registered pools and what each holds."""
+
+    rank: int
+    session: str  # TransferBackend.session_id
+    pools: tuple[PoolLayout, ...]
+    placements: tuple[PoolPlacement, ...]
 
 
 # ---------------------------------------------------------------------------------------------- messages
@@ -101,11 +144,10 @@ class DecodeRegister:
 
 @dataclass
 class KVDestination:
-    """D -> P, step 2. `pools[j]` is D's pool j (0 = target KV, 1 = draft KV); one page id list moves all."""
+    """D -> P, step 2. `endpoints[r]`: D's rank r (its pools hold its heads); one page id list moves all."""
 
     room: int
-    transfer_session: str  # TransferBackend.session_id of D
-    pools: tuple[PoolLayout, ...]
+    endpoints: tuple[KVEndpoint, ...]
     dst_page_ids: list[int]  # pages from cached_tokens / page_size on: len == ceil(N / ps) - cached_tokens / ps
     # D's prefix cache already holds KV (target and draft) for positions < cached_tokens (whole pages): P sends
     # only the pages after them and, draft-on-decode-only, only the target features from cached_tokens on
@@ -221,7 +263,8 @@ class Heartbeat:
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     DecodeRegister, KVDestination, HandoffRecord, TargetFeatures, TransferDone, TransferFailed, Abort, AbortAck,
     Heartbeat)}
-_NESTED_TYPES: dict[str, type] = {cls.__name__: cls for cls in (PeerConfig, PoolLayout, SamplingParams)}
+_NESTED_TYPES: dict[str, type] = {cls.__name__: cls for cls in (PeerConfig, PoolLayout, PoolPlacement, KVEndpoint,
+                                                                 SamplingParams)}
 _DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool)}

@@ -236,7 +236,7 @@ class PrefillWorker(PrefillSender, DisaggWorker):
                 kv["kv_transfers"] += 1
                 kv["kv_bytes"] += num_bytes
                 kv["kv_transfer_s"] += sum(r.elapsed_s for r in results)
-                kv["kv_descriptors"] += num_pages * len(room.destination.pools)
+                kv["kv_descriptors"] += sum(r.num_descriptors for r in results)
                 kv["kv_calls"] += sum(r.num_calls for r in results)
                 kv["kv_streamed_pages"] += room.streamed
                 self.control.send(room.identity, TransferDone(room_id, num_pages, num_bytes), end_room=room_id)

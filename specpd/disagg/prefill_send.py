@@ -11,8 +11,9 @@
   3. send: the `HandoffRecord` (y0, logprob and top logprobs, N, params, the seeded generator's state;
      draft-on-both: the draft's first-round top-k ids/probs and hidden; draft-on-decode-only: the prompt's
      target features, captured by the engine, which then loads no draft, those not streamed yet) goes
-     to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (one
-     descriptor per page into D's destination pages; draft-on-both: the draft pool's pages too). Record
+     to D, then the pages not streamed yet (the last chunk's, the partial last page) are submitted (each P
+     rank writes its heads into the D ranks holding them, one descriptor per page and overlapping head range,
+     kv_sender.py; draft-on-both: the draft's layers too). Record
      first: serializing it holds the GIL the writer thread needs. Draft-on-decode-only with streaming, the
      last chunk's features go ahead of the record as a `TargetFeatures` (all but the last position, whose
      draft input is y0), so D's draft extend over them overlaps the last write; the record carries one row.
@@ -71,7 +72,7 @@ _P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued",
 class PrefillSender:
     """PrefillWorker's handoff half (module docstring): streams each chunk's pages and features, sends the
     record and the rest. It reads the worker's engine, peer_config, stream_chunks, last_step, prefilling,
-    control, backend, inflight and stages."""
+    control, kv (its ranks' transfer endpoints), inflight and stages."""
 
     def _note_chunks(self) -> None:
         """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py); one still
@@ -129,8 +130,8 @@ class PrefillSender:
     def _submit(self, room: PrefillRoom, src: list[int], dst: list[int]) -> bool:
         dest = room.destination
         try:
-            room.handles.append(self.backend.submit(dest.transfer_session, src, dst, dest.pools))
-        except ValueError as e:  # D drops what it got on the TransferFailed that follows
+            room.handles.append(self.kv.submit(dest, src, dst))
+        except ValueError as e:  # LayoutMismatch too  # D drops what it got on the TransferFailed that follows
             room.error = f"KV transfer refused: {e}"
             return False
         return True

@@ -32,7 +32,7 @@ import zmq
 from specpd.core import InvalidRequest, RequestOutput
 from specpd.disagg.messages import MessageError, PeerConfig, decode, encode
 from specpd.disagg.timeline import StageStats
-from specpd.disagg.transfer import create_backend
+from specpd.disagg.kv_sender import KVTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -194,18 +194,6 @@ def draft_mode(config) -> str:
     return "both" if spec.draft_mode == "both" else "decode_only"
 
 
-def page_pools(engine) -> list:
-    """Pools moved per page id: the target pool, whose pages also hold the draft's layers when the draft's KV
-    geometry matches (one descriptor per page); else, draft-on-both, the draft's own pool (same page ids).
-    In draft-on-decode-only mode P's pages hold no draft layers: P writes the prefix of D's pages."""
-    # [num_pages, layers, 2, page_size, kv_heads, head_dim]; under tensor parallelism rank 0's whole pages
-    pools = [engine.runner.host_pool.buffer]
-    draft_pool = getattr(engine.spec_runner.proposer, "pool", None) if engine.spec_runner else None
-    if draft_pool is not None and draft_pool.parent is None and draft_mode(engine.config) == "both":
-        pools.append(draft_pool.buffer)  # a draft with its own KV geometry: a second descriptor per page
-    return pools
-
-
 def peer_config(engine, transfer_backend: str) -> PeerConfig:
     from specpd.grammar import backend_id
     cfg = engine.config
@@ -213,7 +201,8 @@ def peer_config(engine, transfer_backend: str) -> PeerConfig:
     return PeerConfig(model=cfg.model, draft_model=spec.draft_model, page_size=cfg.cache.page_size,
                       dtype=cfg.dtype, spec_algorithm=spec.speculative_algorithm, draft_mode=mode,
                       transfer_backend=transfer_backend, grammar_backend=backend_id(),
-                      draft_shape=f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}" if mode == "both" else "")
+                      draft_shape=f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}" if mode == "both" else "",
+                      tp_size=cfg.tp_size, kv_heads=engine.model_config.num_kv_heads)
 
 
 class DisaggWorker:
@@ -231,8 +220,9 @@ class DisaggWorker:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.peer_config = peer_config(engine, transfer_backend)
-        self.backend = create_backend(transfer_backend, host, advertise_host=self.advertise_host)
-        self.backend.register(page_pools(engine))
+        # every tensor-parallel rank's transfer endpoint (rank 0's backend is self.backend)
+        self.kv = KVTransfers(engine, transfer_backend, host, self.advertise_host, self.peer_config.draft_mode)
+        self.backend = self.kv.backend
         self.ctx = zmq.Context.instance()
         self.control: ControlThread | None = None  # the subclass builds and starts it
         self.step_started: float | None = None  # monotonic start of the engine step running now (for load)
@@ -343,7 +333,7 @@ class DisaggWorker:
     def close(self) -> None:
         if self.control is not None:
             self.control.close()
-        self.backend.close()
+        self.kv.close()
 
     def _final(self, request_id: str, num_prompt_tokens: int, reason: str, error: str | None = None,
                token_ids: list[int] | None = None) -> None:

@@ -310,11 +310,11 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         if not spec.draft_model:
             raise ValueError(f"--speculative-algorithm {spec.speculative_algorithm} needs --draft-model")
         draft = load_draft_model(spec.draft_model, spec.speculative_algorithm, runner.model, cfg, runner.dtype)
-        # the draft's layers inside the target's whole pages (the runner reserved them), else its own pool; under
-        # tensor parallelism the draft runs whole on rank 0: in a PD server's whole pages, else its own pool
-        pool = runner.host_pool
+        # the draft's layers inside the target's pages (the runner reserved them), else its own pool (under
+        # tensor parallelism the draft runs whole on rank 0, every head, in a pool of its own)
+        pool = runner.kv_pool
         shared = None
-        if pool.num_layers == cfg.num_layers + draft.config.num_layers:
+        if runner.tp is None and pool.num_layers == cfg.num_layers + draft.config.num_layers:
             shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
         if spec.hybrid:

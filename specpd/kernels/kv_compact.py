@@ -7,7 +7,8 @@ committed_len + k so that the sequence is position-ordered again (DESIGN.md §3)
 (target, and the draft's if it has its own).
 
 Moves are given as slots: (src_pages[m], src_offsets[m]) -> (dst_pages[m], dst_offsets[m]), all
-[num_moves] int64, over a page-major pool buffer [num_pages, num_layers, 2, page_size, Hkv, D].
+[num_moves] int64, over a page-major pool buffer [num_pages, num_layers, 2, page_size, Hkv, D] (any strides
+but a contiguous head_dim: specpd/kv/pool.py keeps heads outside layers in memory).
 Semantics, for both implementations: gather every source slot first, then scatter to the
 destinations. Source and destination sets may overlap in any way (the usual k <= i_k shift, or even a
 permutation); destination slots must be distinct. Values are copied bit for bit, any dtype.
@@ -38,11 +39,11 @@ def compact_kv_ref(pool_buffer: torch.Tensor, src_pages: torch.Tensor, src_offse
 @triton.jit
 def _move_slots_kernel(
     Pool, Staging, Pages, Offsets,
-    stride_pp, stride_pl, stride_pkv, stride_ps,  # pool: page, layer, K/V, slot; a slot's [Hkv, D] is contiguous
+    stride_pp, stride_pl, stride_pkv, stride_ps, stride_ph,  # pool: page, layer, K/V, slot, head; D contiguous
     stride_sm, stride_sl, stride_skv,  # staging: move, layer, K/V; a slot's Hkv * D is contiguous
-    SLOT_SIZE: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
 ):
-    """Grid (num_moves, num_layers): K and V of one layer of one slot.
+    """Grid (num_moves, num_layers): K and V of every head of one layer of one slot.
 
     GATHER: pool slot (Pages[m], Offsets[m]) -> staging row m; otherwise staging row m -> that slot.
     """
@@ -53,21 +54,21 @@ def _move_slots_kernel(
     pool_slot = Pool + page * stride_pp + layer * stride_pl + offset * stride_ps
     staged = Staging + move.to(tl.int64) * stride_sm + layer * stride_sl
     for kv in tl.static_range(2):
-        for start in range(0, SLOT_SIZE, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < SLOT_SIZE
-            if GATHER:
-                x = tl.load(pool_slot + kv * stride_pkv + offs, mask=mask)
-                tl.store(staged + kv * stride_skv + offs, x, mask=mask)
-            else:
-                x = tl.load(staged + kv * stride_skv + offs, mask=mask)
-                tl.store(pool_slot + kv * stride_pkv + offs, x, mask=mask)
+        for h in range(HEADS):
+            for start in range(0, HEAD_DIM, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < HEAD_DIM
+                pool_at = pool_slot + kv * stride_pkv + h * stride_ph + offs
+                staged_at = staged + kv * stride_skv + h * HEAD_DIM + offs
+                if GATHER:
+                    tl.store(staged_at, tl.load(pool_at, mask=mask), mask=mask)
+                else:
+                    tl.store(pool_at, tl.load(staged_at, mask=mask), mask=mask)
 
 
 def compact_constexprs(kv_heads: int, head_dim: int, gather: bool) -> dict:
     """Shared by the launcher and the sm_90 compile test."""
-    slot_size = kv_heads * head_dim
-    return dict(SLOT_SIZE=slot_size, BLOCK=min(triton.next_power_of_2(slot_size), 2048), GATHER=gather)
+    return dict(HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK=min(triton.next_power_of_2(head_dim), 2048), GATHER=gather)
 
 
 def _check(pool_buffer: torch.Tensor, src_pages: torch.Tensor, src_offsets: torch.Tensor,
@@ -87,14 +88,14 @@ def compact_kv(pool_buffer: torch.Tensor, src_pages: torch.Tensor, src_offsets: 
     """In place, same semantics as `compact_kv_ref`; no device sync (distinct destinations unchecked)."""
     num_moves = _check(pool_buffer, src_pages, src_offsets, dst_pages, dst_offsets)
     _, num_layers, _, _, kv_heads, head_dim = pool_buffer.shape
-    if pool_buffer.stride(5) != 1 or pool_buffer.stride(4) != head_dim:
-        raise ValueError(f"a slot's [Hkv, D] must be contiguous in the pool buffer, strides {pool_buffer.stride()}")
+    if pool_buffer.stride(5) != 1:
+        raise ValueError(f"a head's D values must be contiguous in the pool buffer, strides {pool_buffer.stride()}")
     if num_moves == 0:
         return
     # [num_moves, num_layers, 2, Hkv * D]
     staging = torch.empty(num_moves, num_layers, 2, kv_heads * head_dim, dtype=pool_buffer.dtype,
                           device=pool_buffer.device)
-    pool_strides = (pool_buffer.stride(0), pool_buffer.stride(1), pool_buffer.stride(2), pool_buffer.stride(3))
+    pool_strides = pool_buffer.stride()[:5]
     for pages, offsets, gather in ((src_pages, src_offsets, True), (dst_pages, dst_offsets, False)):
         _move_slots_kernel[(num_moves, num_layers)](
             pool_buffer, staging, pages.contiguous(), offsets.contiguous(),

@@ -1,9 +1,14 @@
 """The KV pool tensor, page-major: one page is one contiguous block holding every layer's K and V.
 
-Layout `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (DESIGN.md §3): a transfer engine
-moves one descriptor per page. Per-layer K and V are strided views `[num_pages, page_size, kv_heads, head_dim]`.
+In memory (`storage`) a page is `[kv_heads, num_layers, 2, page_size, head_dim]`: heads outside layers and
+positions (DESIGN.md §3, §7b), so any range of a page's KV heads is one contiguous block and a transfer moves
+one descriptor per page and head range (specpd/disagg/kv_layout.py), whatever the tensor-parallel sizes of the
+two sides. Code indexes the logical view `buffer` `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]`
+(a permutation of storage); per-layer K and V are strided views `[num_pages, page_size, kv_heads, head_dim]`,
+and every kernel takes the page, position and head strides from them.
 A draft model whose KV geometry matches the target's keeps its layers in the same page block, after the
-target's (`extra_layers`, then `KVPool.layers_of`): one descriptor per page moves target and draft KV.
+target's in each head's block (`extra_layers`, then `KVPool.layers_of`): one descriptor per page and head range
+moves target and draft KV.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        # [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
-        self.buffer = torch.zeros(num_pages, num_layers, 2, page_size, kv_heads, head_dim,
-                                  dtype=dtype, device=device)
+        # storage [num_pages, kv_heads, num_layers, 2, page_size, head_dim] (contiguous: what a transfer registers);
+        # buffer: the same memory as [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
+        self.storage = torch.zeros(num_pages, kv_heads, num_layers, 2, page_size, head_dim, dtype=dtype,
+                                   device=device)
+        self.buffer = self.storage.permute(0, 2, 3, 4, 1, 5)
         self.allocator = allocator or PageAllocator(num_pages)
 
         self.parent: KVPool | None = None  # set on a `layers_of` view
@@ -57,6 +64,7 @@ class KVPool:
         view.num_pages, view.num_layers, view.page_size = parent.num_pages, num_layers, parent.page_size
         view.kv_heads, view.head_dim, view.dtype = parent.kv_heads, parent.head_dim, parent.dtype
         view.buffer = parent.buffer[:, first_layer:first_layer + num_layers]
+        view.storage = parent.storage  # whole pages: the parent's memory
         view.allocator = parent.allocator
         view.parent = parent
         return view

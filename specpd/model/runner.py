@@ -44,8 +44,7 @@ class ModelRunner:
                  pack: bool = True, pd_role: str | None = None):
         """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3.
         pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
-        pd_role ("prefill" / "decode"): under tensor parallelism, rank 0 also keeps whole pages for the handoff
-        (`host_pool`, specpd/model/tp.py)."""
+        pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
         config = config.resolved()
         self.config = config
         self.device = torch.device(config.device)
@@ -63,22 +62,19 @@ class ModelRunner:
         self.model, self.kv_pool, self.backend = build_decoder(
             config, self.model_config, checkpoint.weights, max_model_len, self.device, self.dtype, pack=pack,
             kv_extra_layers=kv_extra_layers)
-        self.host_pool = self.kv_pool  # whole pages, where a draft's shared layers and a handoff live
         self._init_host_state(config)
 
     def _init_tensor_parallel(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
                               kv_extra_layers: int, pd_role: str | None) -> None:
         """Rank 0 of `config.tp_size` (specpd/model/tp.py): this process holds shard 0 of the decoder and the KV
         pool (self.kv_pool: its heads of every page, no draft layers) and drives the worker ranks through
-        self.model. A PD server also keeps whole pages here (self.host_pool: every head, the draft's layers):
-        the handoff moves them as at TP 1, so P and D of any TP sizes pair; P gathers every forward's new K/V
-        into them, D scatters a committed handoff's pages to the ranks."""
+        self.model. A PD server's ranks each move their own heads (specpd/disagg/kv_sender.py)."""
         from specpd.model import tp
         tp.check_tp_size(self.model_config, config.tp_size)
         tp.check_quantization(self.model_config, config.tp_size, config.quantization)
         self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)
-        if pd_role is not None and config.cache.num_pages is None:  # whole pages as at TP 1, the same page count
+        if pd_role is not None and config.cache.num_pages is None:  # TP 1's page count: P and D pages pair alike
             from dataclasses import replace
             page = KVPool.page_bytes(self.model_config, config.cache.page_size, self.dtype, kv_extra_layers)
             config = replace(config, cache=replace(config.cache, num_pages=max(
@@ -91,20 +87,7 @@ class ModelRunner:
                                                           row_scales=scales)
         tp.attach(model, group)
         self.model = self.tp = tp.TPModel(model, group, conns, procs)
-        self.host_pool = self.kv_pool
-        if pd_role is not None:
-            mc, pool = self.model_config, self.kv_pool
-            self.host_pool = KVPool(pool.num_pages, mc.num_layers + kv_extra_layers, pool.page_size, mc.num_kv_heads,
-                                    mc.head_dim, self.dtype, self.device, allocator=pool.allocator)
-            if pd_role == "prefill":
-                self.tp.gather_into = (self.kv_pool, self.host_pool)
         self._init_host_state(config)
-
-    def scatter_pages(self, pages: list[int]) -> None:
-        """Under tensor parallelism, a PD decode server: the handoff's whole pages (host_pool) to every rank's
-        heads (each rank's kv_pool). Nothing to do at TP 1: the handoff landed in kv_pool itself."""
-        if self.tp is not None and self.host_pool is not self.kv_pool and pages:
-            self.tp.scatter_pages(self.host_pool, self.kv_pool, pages)
 
     def compact_kv(self, moves) -> None:
         """Move KV slots inside the pool's pages (moves: path_slot_moves' lists: a verified tree path next to

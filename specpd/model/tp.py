@@ -17,10 +17,10 @@ embedding and LM head and on the full hidden states (every rank has the whole re
 all-reduce), in a KV pool of every head on rank 0, so its KV, top-k and hidden are TP 1's up to the all-reduce's
 rounding. A one-layer draft costs a few percent of the target; sharding it would add two all-reduces per draft
 step (as many as a target layer) to save little.
-PD: a prefill or decode server's rank 0 also keeps whole pages (every head, and the draft's layers where they
-share the target's pages: a TP 1 page), which the handoff moves as at TP 1, so P and D of any sizes pair with
-one descriptor per page. P gathers every forward's new K/V slots from the ranks into them (`gather_slots`), D
-scatters a committed handoff's pages to the ranks (`scatter_pages`).
+PD: every rank of a prefill or decode server has a transfer endpoint of its own with its KV pool registered,
+so P's ranks write their heads straight into the D ranks that hold them (specpd/disagg/kv_layout.py,
+specpd/disagg/kv_sender.py): rank 0 starts the workers' engines and names their writes through `call` (after
+the forwards that computed the KV, on the same pipe), and hears each one's result.
 Failure: a worker waits on its pipe, never in a collective, so an idle server has no collective to time out; a
 dead worker fails rank 0's next send or collective (RankFailed names the rank) and the server stops
 (specpd/server/async_engine.py); a dead rank 0 closes the pipes and the workers exit.
@@ -29,7 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import pickle
+import threading
+import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -173,44 +177,54 @@ class TPModel:
 
     def __init__(self, model: torch.nn.Module, group: TPGroup, conns: list, procs: list):
         self.__dict__.update(_model=model, _group=group, _conns=conns, _procs=procs, _closed=False,
-                             gather_into=None)
+                             _calls={}, _next_call=0, _replies=threading.Lock())
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, backend, meta, capture_layers=()):
         self._send(("forward", input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
-        out = self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
-        if self.gather_into is not None:  # a PD prefill server: the new K/V into whole pages for the handoff
-            self.gather_slots(*self.gather_into, meta.write_pages, meta.write_offsets)
-        return out
+        return self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
 
     def compact_kv(self, moves) -> None:
         """The workers apply the KV slot moves rank 0 applied (a verified tree path next to its root)."""
         self._send(("compact_kv", moves))
 
-    def gather_slots(self, shard, whole, pages: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Every rank's heads of the slots (pages[i], offsets[i]) into `whole` (a KVPool of every head)."""
-        self._send(("gather_kv", pages, offsets))
-        layers, heads = shard.num_layers, shard.kv_heads
-        whole.buffer[pages, :layers, :, offsets, :heads] = shard.buffer[pages, :, :, offsets]
-        for rank in range(1, self._group.size):
-            part = torch.empty((len(pages), layers, 2, heads, shard.head_dim), dtype=shard.dtype)
-            self._group.recv(part, rank)
-            whole.buffer[pages, :layers, :, offsets, rank * heads:(rank + 1) * heads] = part
+    # -- calls on one worker (PD: its own transfer engine, specpd/disagg/kv_sender.py)
 
-    def scatter_pages(self, whole, shard, pages: list[int]) -> None:
-        """Whole pages of `whole` to every rank's heads (rank 0's own `shard` included)."""
-        self._send(("scatter_kv", pages))
-        layers, heads = shard.num_layers, shard.kv_heads
-        index = torch.tensor(pages)
-        shard.buffer[index] = whole.buffer[index, :layers, :, :, :heads]
-        for rank in range(1, self._group.size):
-            self._group.send(whole.buffer[index, :layers, :, :, rank * heads:(rank + 1) * heads].contiguous(), rank)
+    def call(self, rank: int, fn, *args) -> "RankCall":
+        """Worker `rank` runs fn(state, done, *args) after every forward sent before (fn: a module-level function,
+        sent by name; `state`: the worker's namespace with its `rank`, `pool` and what earlier calls kept there).
+        fn calls done(value) once, then or later from any thread; the RankCall gets the value."""
+        self.__dict__["_next_call"] += 1
+        pending = self._calls[self._next_call] = RankCall(self, rank)
+        self._send(("call", self._next_call, fn, args), ranks=[rank])
+        return pending
 
-    def _send(self, message) -> None:
+    def pump(self) -> None:
+        """Deliver the values workers sent back; a dead worker's calls get a RankFailed."""
+        with self._replies:
+            for conn in self._conns:
+                try:
+                    while conn.poll(0):
+                        cid, value = pickle.loads(conn.recv_bytes())
+                        pending = self._calls.pop(cid, None)
+                        if pending is not None:
+                            pending.value, pending.done = value, True
+                except (EOFError, OSError):
+                    pass  # the process check below names it
+            for cid, pending in list(self._calls.items()):
+                proc = self._procs[pending.rank - 1]
+                if not proc.is_alive():
+                    del self._calls[cid]
+                    pending.value, pending.done = RankFailed(
+                        f"tensor-parallel rank {pending.rank} exited (code {proc.exitcode}) during a call"), True
+
+    def _send(self, message, ranks=None) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            if ranks is not None and rank not in ranks:
+                continue
             if not proc.is_alive():
                 raise RankFailed(f"tensor-parallel rank {rank} of {self._group.size} exited (code {proc.exitcode})")
             try:
@@ -240,6 +254,28 @@ class TPModel:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+class RankCall:
+    """A call's value as rank 0 waits for it (TPModel.call): `done`, then `value`."""
+
+    def __init__(self, tp: TPModel, rank: int):
+        self.tp, self.rank = tp, rank
+        self.done, self.value = False, None
+
+    def ready(self) -> bool:
+        if not self.done:
+            self.tp.pump()
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the value came, False after `timeout` seconds without it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 def rank_threads(config: EngineConfig) -> int:
@@ -290,27 +326,30 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
                                          row_scales=row_scales)
     del weights
     attach(model, group)
+    state = types.SimpleNamespace(rank=rank, pool=pool)
+    replies = threading.Lock()  # a call's value may come from another thread (a transfer engine's)
+
+    def reply(cid: int, value) -> None:
+        data = pickle.dumps((cid, value), protocol=pickle.HIGHEST_PROTOCOL)
+        with replies:
+            conn.send_bytes(data)
+
     with torch.inference_mode():
         while True:
             try:
                 message = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                return  # rank 0 is gone
+                break  # rank 0 is gone
             if message is None:
-                return
+                break
             if message[0] == "compact_kv":
                 compact_pool(pool, message[1])
-                continue
-            if message[0] == "gather_kv":  # this rank's heads of the slots rank 0 names, to rank 0
-                _, pages, offsets = message
-                group.send(pool.buffer[pages, :, :, offsets].contiguous(), 0)
-                continue
-            if message[0] == "scatter_kv":  # this rank's heads of whole pages, from rank 0
-                pages = message[1]
-                block = torch.empty((len(pages), *pool.buffer.shape[1:]), dtype=pool.dtype)
-                group.recv(block, 0)
-                pool.buffer[pages] = block
-                continue
-            _, input_ids, positions, meta, capture = message
-            backend.plan(meta)
-            model(input_ids, positions, backend, meta, capture_layers=capture)
+            elif message[0] == "call":
+                _, cid, fn, args = message
+                fn(state, functools.partial(reply, cid), *args)
+            else:
+                _, input_ids, positions, meta, capture = message
+                backend.plan(meta)
+                model(input_ids, positions, backend, meta, capture_layers=capture)
+    for close in getattr(state, "on_exit", ()):
+        close()

@@ -8,9 +8,9 @@ import zmq
 
 from specpd.core import SamplingParams
 from specpd.disagg.messages import (MESSAGE_TYPES, Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord,
-                                    Heartbeat, KVDestination, MessageError, PeerConfig, PoolLayout, TargetFeatures,
-                                    TransferDone, TransferFailed, check_compatible, decode, encode, recv_message,
-                                    send_message)
+                                    Heartbeat, KVDestination, KVEndpoint, MessageError, PeerConfig, PoolLayout,
+                                    PoolPlacement, TargetFeatures, TransferDone, TransferFailed, check_compatible,
+                                    decode, encode, recv_message, send_message)
 
 CFG = PeerConfig(model="smollm2-135m", draft_model="eagle3-smollm2", page_size=16, dtype="bfloat16",
                  spec_algorithm="eagle3", draft_mode="decode_only")
@@ -36,10 +36,13 @@ def _handoff_decode_only(n: int, dtype: torch.dtype) -> HandoffRecord:
 
 ALL_MESSAGES = [
     DecodeRegister(room=1, decode_endpoint="tcp://127.0.0.1:7100", config=CFG),
-    KVDestination(room=1, transfer_session="127.0.0.1:15000",
-                  pools=(PoolLayout(140000000000, 737280, 512), PoolLayout(140100000000, 24576, 512)),
-                  dst_page_ids=[3, 9, 1, 0]),
-    KVDestination(room=2, transfer_session="tcp://127.0.0.1:9", pools=(), dst_page_ids=[]),
+    KVDestination(room=1, endpoints=(
+        KVEndpoint(0, "127.0.0.1:15000", (PoolLayout(140000000000, 737280, 512), PoolLayout(14010000000, 24576, 512)),
+                   (PoolPlacement(0, 1, 0, 30, 4096), PoolPlacement(0, 3, 30, 1, 4096))),
+        KVEndpoint(1, "127.0.0.1:15002", (PoolLayout(140200000000, 737280, 512),),
+                   (PoolPlacement(1, 1, 0, 30, 4096),))),
+        dst_page_ids=[3, 9, 1, 0]),
+    KVDestination(room=2, endpoints=(), dst_page_ids=[]),
     _handoff_both(),
     _handoff_decode_only(5, torch.float32),
     _handoff_decode_only(5, torch.bfloat16),
@@ -149,7 +152,8 @@ def test_malformed_frames_raise_message_error():
 @pytest.mark.parametrize("name,value", [("model", "llama-7b"), ("draft_model", None), ("page_size", 32),
                                         ("dtype", "float32"), ("spec_algorithm", "eagle"), ("draft_mode", "both"),
                                         ("transfer_backend", "mooncake"),
-                                        ("kv_layout", "page[layer][k|v][kv_head][slot][dim], all heads"),
+                                        ("kv_layout", "page[layer][k|v][slot][kv_head][dim], all heads"),
+                                        ("kv_heads", 4),
                                         ("draft_shape", "3,4,8")])
 def test_check_compatible_names_both_values(name, value):
     check_compatible(CFG, CFG)
@@ -158,6 +162,14 @@ def test_check_compatible_names_both_values(name, value):
         check_compatible(CFG, other)
     text = str(err.value)
     assert f"{name}: prefill={getattr(CFG, name)!r} decode={value!r}" in text
+
+
+def test_check_compatible_takes_different_tp_sizes_and_refuses_one_that_cannot_split_the_heads():
+    check_compatible(dataclasses.replace(CFG, tp_size=1, kv_heads=6), dataclasses.replace(CFG, tp_size=3, kv_heads=6))
+    with pytest.raises(ConfigMismatch, match="decode tp_size 4 cannot hold the 6 KV heads in equal head ranges "
+                                             r"\(prefill tp_size=2, decode tp_size=4\)"):
+        check_compatible(dataclasses.replace(CFG, tp_size=2, kv_heads=6),
+                         dataclasses.replace(CFG, tp_size=4, kv_heads=6))
 
 
 def test_check_compatible_lists_every_difference():
@@ -198,7 +210,7 @@ def test_draft_on_both_pairs_only_the_same_tree_shape():
     def side(mode, **spec):
         cfg = EngineConfig(spec=SpecConfig(speculative_algorithm="eagle3", draft_model="default", draft_mode=mode,
                                            **spec))
-        return peer_config(SimpleNamespace(config=cfg), "tcp")
+        return peer_config(SimpleNamespace(config=cfg, model_config=SimpleNamespace(num_kv_heads=3)), "tcp")
 
     check_compatible(side("both"), side("both"))
     assert side("both").draft_shape == "2,4,5"  # the hybrid's default shape

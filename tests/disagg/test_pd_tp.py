@@ -1,12 +1,15 @@
 """Prefill and decode servers of different tensor-parallel sizes (--tp-size on each role): real P, D and router
 processes, a tiny random Llama (4 heads, 2 KV heads), token-id prompts, KV over tcp.
 
-A P at TP a gathers every forward's new K/V into whole pages on its rank 0; the pages travel as at TP 1; a D at
-TP b scatters a committed handoff's pages to its ranks (specpd/model/tp.py). For 1->2, 2->1 and 2->2, with no
+Every rank of P writes its KV heads straight into the D ranks holding them, one descriptor per page and
+overlapping head range (specpd/disagg/kv_layout.py, kv_sender.py). For 1->2, 2->1 and 2->2, with no
 draft and with an EAGLE chain and tree in both draft modes (the fixed policy): greedy output through the router is the
 unified TP 1 engine's (plain and streamed), D reports the unified engine's verify rounds and accepted tokens
 request by request, and every server's pages come back to the total.
 """
+import concurrent.futures
+import time
+
 import httpx
 import pytest
 
@@ -95,3 +98,64 @@ def test_the_default_model_with_the_shipped_head_across_tp_sizes(default_unified
             for base in (p_url, d_url):
                 info = wait_free_pages(base)
                 assert info["free_pages"] == info["total_pages"], (base, info)
+
+
+def test_a_write_failing_on_one_p_rank_fails_the_room_and_leaks_nothing(model_dir, expected):  # noqa: F811
+    """P at TP 2 (in process: rank 0's backend fails its writes, rank 1 writes for real) into a D at TP 2: each P
+    rank writes its own head range into the D rank holding it, one descriptor per page; rank 0's failure fails
+    the room on P and D (after rank 1's write ended), every page comes back on both, and with the writes working
+    again the next room's output is the unified engine's."""
+    from specpd.config import CacheConfig, EngineConfig
+    from specpd.core import SamplingParams
+    from specpd.disagg.prefill import PrefillWorker
+    from specpd.disagg.transfer import TransferError
+    from specpd.disagg.worker import BootstrapInfo
+    from specpd.engine.llm_engine import LLMEngine
+    from tests.disagg.test_pd_stream import body
+
+    boot = free_port()
+    with servers([["--role", "decode", "--transfer-backend", "tcp", "--tp-size", "2", *engine_args(model_dir)]]) \
+            as (d_url,):
+        engine = LLMEngine(EngineConfig(model=model_dir, tp_size=2, num_threads=1,
+                                        cache=CacheConfig(page_size=4, num_pages=128)), pd_role="prefill")
+        worker = PrefillWorker(engine, "tcp", bootstrap_port=boot, optimistic_prefill=False)
+        write, failing = worker.backend._write, [True]
+
+        def rank0_write(*args):
+            if failing[0]:
+                raise TransferError("tcp: injected failure on rank 0")
+            write(*args)
+
+        worker.backend._write = rank0_write
+        try:
+            assert [ep.rank for ep in worker.kv.endpoints] == [0, 1]
+            for room, (prompt, want) in enumerate(zip(PROMPTS[:2], expected[:2]), start=1):
+                # logprobs: y0's travels in the record, so that D's answer lists it
+                params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+                rid = f"r{room}"
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    worker.expect(rid, BootstrapInfo("127.0.0.1", boot, room))
+                    worker.add_request(rid, prompt, params)
+                    resp = pool.submit(httpx.post, d_url + "/v1/completions",
+                                       json={**body(prompt, boot, room), "max_tokens": MAX_TOKENS}, timeout=60)
+                    final, deadline = None, time.monotonic() + 30
+                    while final is None and time.monotonic() < deadline:
+                        final = next((o for o in worker.step() if o.request_id == rid and o.finished), None)
+                    resp = resp.result(timeout=30)
+                assert final is not None and not worker.inflight
+                assert worker.free_pages == worker.total_pages
+                if failing[0]:
+                    assert final.error and "injected failure on rank 0" in final.error, final
+                    assert resp.status_code >= 400 and "injected failure" in resp.text, resp.text
+                    failing[0] = False
+                else:
+                    assert final.error is None and resp.status_code == 200, resp.text
+                    tokens = resp.json()["choices"][0]["logprobs"]["tokens"]
+                    assert [int(t.removeprefix("token_id:")) for t in tokens] == want
+                    # one descriptor per page for each P rank: its KV head into the D rank holding it
+                    assert worker.kv_stats["kv_descriptors"] == 2 * -(-len(prompt) // 4), worker.kv_stats
+                info = wait_free_pages(d_url)
+                assert info["free_pages"] == info["total_pages"], info
+        finally:
+            worker.close()
+            engine.runner.close()

@@ -68,8 +68,8 @@ def test_scattered_pages_arrive_byte_exact(make_backend, dtype):
     p_target, p_draft = _pools(40, dtype, seed=0)
     d_target, d_draft = _pools(64, dtype)
     sender, receiver = make_backend(), make_backend()
-    sender.register([p_target.buffer, p_draft.buffer])
-    d_layouts = receiver.register([d_target.buffer, d_draft.buffer])
+    sender.register([p_target.storage, p_draft.storage])
+    d_layouts = receiver.register([d_target.storage, d_draft.storage])
     src = [17, 3, 39, 0, 22, 5, 11]
     dst = [63, 8, 0, 41, 2, 30, 9]
 
@@ -100,8 +100,8 @@ def test_writers_keep_the_policy_of_the_thread_that_built_the_backend(make_backe
     p_target, p_draft = _pools(8, torch.float32, seed=0)
     d_target, d_draft = _pools(8, torch.float32)
     sender, receiver = make_backend(), make_backend()
-    sender.register([p_target.buffer, p_draft.buffer])
-    d_layouts = receiver.register([d_target.buffer, d_draft.buffer])
+    sender.register([p_target.storage, p_draft.storage])
+    d_layouts = receiver.register([d_target.storage, d_draft.storage])
     before = writers()
     assert len(before) == 4  # two per backend, started by the constructor
     done = {}
@@ -118,23 +118,27 @@ def test_writers_keep_the_policy_of_the_thread_that_built_the_backend(make_backe
     assert writers() == before and all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in before)
 
 
-def test_shorter_pages_fill_the_prefix_of_the_peers_pages(make_backend):
-    """Draft-on-decode-only: P's pages hold the target layers only, D's target + draft layers."""
+def test_runs_move_head_blocks_into_pages_of_another_shape(make_backend):
+    """A prefill server's target-only pages into a decode server's target + draft pages: kv_layout plans one run
+    per head (each head's target layers are contiguous on both sides), and the draft layer is never touched."""
+    from specpd.disagg.kv_layout import plan, pool_placement
     from specpd.kv.pool import KVPool
     src = KVPool(12, 3, 4, 2, 16, torch.float32)
     src.buffer.copy_(torch.randn(src.buffer.shape))
     dst = KVPool(12, 4, 4, 2, 16, torch.float32)  # one more (draft) layer per page, after the target's
     dst.buffer[:, 3] = 7.0
+    runs = plan([(pool_placement(src, 0, 0),)], [(pool_placement(dst, 0, 0),)], range(3))[(0, 0)]
+    assert [(r.src_offset, r.dst_offset, r.num_bytes) for r in runs] == [(0, 0, 3 * 512), (3 * 512, 4 * 512, 3 * 512)]
     sender, receiver = make_backend(), make_backend()
-    sender.register([src.buffer])
-    layouts = receiver.register([dst.buffer])
-    result = sender.transfer(receiver.session_id, [5, 0, 11], [1, 9, 4], layouts)
-    assert result.ok and result.num_bytes == 3 * src.bytes_per_page, result
+    sender.register([src.storage])
+    layouts = receiver.register([dst.storage])
+    result = sender.transfer(receiver.session_id, [5, 0, 11], [1, 9, 4], layouts, runs)
+    assert result.ok and result.num_bytes == 3 * src.bytes_per_page and result.num_descriptors == 6, result
     assert torch.equal(dst.buffer[[1, 9, 4], :3], src.buffer[[5, 0, 11]])
     assert (dst.buffer[:, 3] == 7.0).all()  # the draft layer is never touched
     untouched = [p for p in range(12) if p not in (1, 9, 4)]
     assert not dst.buffer[untouched, :3].any()
-    with pytest.raises(ValueError, match="larger than the peer's"):
+    with pytest.raises(ValueError, match="does not fit the pages"):
         receiver.submit(sender.session_id, [0], [0], sender.layouts)
 
 
@@ -142,8 +146,8 @@ def test_batches_above_the_per_call_limit_are_split(make_backend):
     p_target, p_draft = _pools(50, torch.float32, seed=1)
     d_target, d_draft = _pools(50, torch.float32)
     sender, receiver = make_backend(max_descriptors_per_call=8), make_backend()
-    sender.register([p_target.buffer, p_draft.buffer])
-    layouts = receiver.register([d_target.buffer, d_draft.buffer])
+    sender.register([p_target.storage, p_draft.storage])
+    layouts = receiver.register([d_target.storage, d_draft.storage])
     dst = list(reversed(range(50)))
     result = sender.transfer(receiver.session_id, list(range(50)), dst, layouts)
     assert result.ok, result
@@ -172,7 +176,7 @@ def test_dead_peer_fails_fast(make_backend, backend_name):
     p_target, _ = _pools(8, torch.float32, seed=2)
     connect = {"connect_timeout_s": deadline_s} if backend_name == "tcp" else {}
     sender = make_backend(timeout_s=deadline_s, **connect)
-    sender.register([p_target.buffer])
+    sender.register([p_target.storage])
     layout = PoolLayout(base_address=1 << 30, page_bytes=p_target.bytes_per_page, num_pages=8)
     start = time.monotonic()
     result = sender.transfer(DEAD_PEER[backend_name], [0, 1], [2, 3], [layout])
@@ -189,8 +193,8 @@ def test_backend_recovers_after_a_failure(make_backend, backend_name):
     p_target, _ = _pools(8, torch.float32, seed=3)
     d_target, _ = _pools(8, torch.float32)
     sender, receiver = make_backend(), make_backend()
-    sender.register([p_target.buffer])
-    layouts = receiver.register([d_target.buffer])
+    sender.register([p_target.storage])
+    layouts = receiver.register([d_target.storage])
     assert not sender.transfer(DEAD_PEER[backend_name], [0], [0], layouts).ok
     assert sender.transfer(receiver.session_id, [0, 1], [1, 0], layouts).ok
     assert torch.equal(d_target.buffer[[1, 0]], p_target.buffer[[0, 1]])
@@ -199,10 +203,10 @@ def test_backend_recovers_after_a_failure(make_backend, backend_name):
 def test_layout_mismatch_is_refused_before_any_write(make_backend):
     p_target, p_draft = _pools(8, torch.float32)
     sender = make_backend()
-    layouts = sender.register([p_target.buffer, p_draft.buffer])
+    layouts = sender.register([p_target.storage, p_draft.storage])
     with pytest.raises(ValueError, match="larger than the peer's"):
         sender.submit("peer", [0], [0], [layouts[0], PoolLayout(0, 123, 8)])
-    with pytest.raises(ValueError, match="1 pools"):
+    with pytest.raises(ValueError, match="the peer 1"):
         sender.submit("peer", [0], [0], layouts[:1])
     with pytest.raises(ValueError, match="out of range"):
         sender.submit("peer", [0], [8], layouts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from specpd.disagg.transfer.base import (PageCopy, PeerUnreachable, TransferBackend, TransferError, TransferHandle,
+from specpd.disagg.transfer.base import (PageCopy, PeerUnreachable, Run, TransferBackend, TransferError, TransferHandle,
                                          TransferResult, TransferStatus)
 
 # name -> "module:Class", imported on first use (mooncake needs a native library that may be absent)
@@ -54,6 +54,6 @@ def backend_available(name: str) -> tuple[bool, str]:
     return True, ""
 
 
-__all__ = ["TRANSFER_BACKENDS", "PageCopy", "PeerUnreachable", "TransferBackend", "TransferError",
+__all__ = ["TRANSFER_BACKENDS", "PageCopy", "PeerUnreachable", "Run", "TransferBackend", "TransferError",
            "TransferHandle", "TransferResult", "TransferStatus", "backend_available", "create_backend",
            "default_backend", "get_backend_class"]

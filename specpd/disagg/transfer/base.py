@@ -3,10 +3,10 @@
 1. Each side builds one backend and `register`s its page pools once (target KV, then draft KV): each a
    contiguous tensor `[num_pages, ...]` whose page i is one contiguous block of `page_bytes`.
 2. D publishes `session_id` and `layouts` (in `KVDestination`); P keeps nothing else about D.
-3. P calls `submit(peer_session, src_page_ids, dst_page_ids, peer_layouts)`: page `src[i]` of every local
-   pool j is written to page `dst[i]` of the peer's pool j, one descriptor per page per pool. A local page
-   may be shorter than the peer's: it fills the peer page's prefix (a prefill server without the draft
-   writes the target layers of a decode server's target+draft pages, draft-on-decode-only). Descriptors are
+3. P calls `submit(peer_session, src_page_ids, dst_page_ids, peer_layouts, runs)`: for every page pair
+   (`src[i]`, `dst[i]`) and every `Run` (a byte range of a local pool's page -> a byte range of a peer pool's
+   page, specpd/disagg/kv_layout.py plans them from both sides' head ranges), one descriptor. Without `runs`:
+   page `src[i]` of every local pool j into the prefix of page `dst[i]` of the peer's pool j. Descriptors are
    sent in calls of at most `max_descriptors_per_call` (Mooncake's TCP transport rejects more than its
    per-peer queue, 1024 by default), calls to one peer never overlap.
 4. `TransferHandle.poll()` is PENDING until every call returned, then DONE or FAILED (with `error`).
@@ -47,12 +47,27 @@ class TransferStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class PageCopy:
-    """One descriptor: local pool `pool`, page `src_page` -> the peer's pool `pool`, page `dst_page`."""
+class Run:
+    """A byte range of every page of local pool `src_pool` -> the same length in the peer's pool `dst_pool`."""
 
-    pool: int
+    src_pool: int
+    src_offset: int
+    dst_pool: int
+    dst_offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """One descriptor: `run`'s bytes of local page `src_page` -> the peer's page `dst_page`."""
+
+    run: Run
     src_page: int
     dst_page: int
+
+    @property
+    def pool(self) -> int:
+        return self.run.src_pool
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class TransferResult:
     num_calls: int  # backend calls the descriptors were split into
     elapsed_s: float
     error: str | None = None
+    num_descriptors: int = 0  # contiguous blocks written (requested, on failure)
 
     @property
     def ok(self) -> bool:
@@ -86,6 +102,10 @@ class TransferHandle:
             return self._future.result(timeout)
         except TimeoutError:
             return None
+
+    def on_done(self, callback) -> None:
+        """callback(TransferResult) once the transfer ended (at once if it has)."""
+        self._future.add_done_callback(lambda f: callback(f.result()))
 
 
 class TransferBackend(ABC):
@@ -169,18 +189,20 @@ class TransferBackend(ABC):
         return tuple(self._layouts)
 
     def submit(self, peer_session: str, src_page_ids: Sequence[int], dst_page_ids: Sequence[int],
-               peer_layouts: Sequence[PoolLayout]) -> TransferHandle:
-        """Validate now (raises ValueError), write in a worker thread."""
+               peer_layouts: Sequence[PoolLayout], runs: Sequence[Run] | None = None) -> TransferHandle:
+        """Validate now (raises ValueError), write in a worker thread. `runs`: None = whole local pages."""
         if self._closed:
             raise RuntimeError(f"{self.name}: backend is closed")
         src, dst = [int(p) for p in src_page_ids], [int(p) for p in dst_page_ids]
-        self._validate(src, dst, peer_layouts)
-        copies = [PageCopy(j, s, d) for j in range(len(self._pools)) for s, d in zip(src, dst)]
+        if runs is None:
+            runs = [Run(j, 0, j, 0, layout.page_bytes) for j, layout in enumerate(self._layouts)]
+        self._validate(src, dst, peer_layouts, runs)
+        copies = [PageCopy(run, s, d) for run in runs for s, d in zip(src, dst)]
         return TransferHandle(self._executor.submit(self._run, peer_session, copies, len(src), peer_layouts))
 
     def transfer(self, peer_session: str, src_page_ids: Sequence[int], dst_page_ids: Sequence[int],
-                 peer_layouts: Sequence[PoolLayout]) -> TransferResult:
-        return self.submit(peer_session, src_page_ids, dst_page_ids, peer_layouts).wait()
+                 peer_layouts: Sequence[PoolLayout], runs: Sequence[Run] | None = None) -> TransferResult:
+        return self.submit(peer_session, src_page_ids, dst_page_ids, peer_layouts, runs).wait()
 
     def quiescent(self, peer_session: str) -> bool:
         """True when no write of ours into a live peer can still land (module docstring, step 5)."""
@@ -199,22 +221,27 @@ class TransferBackend(ABC):
     def __exit__(self, *exc):
         self.close()
 
-    def _validate(self, src: list[int], dst: list[int], peer_layouts: Sequence[PoolLayout]) -> None:
+    def _validate(self, src: list[int], dst: list[int], peer_layouts: Sequence[PoolLayout],
+                  runs: Sequence[Run]) -> None:
         if not self._pools:
             raise RuntimeError(f"{self.name}: register pools before transferring")
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
-        if len(peer_layouts) != len(self._layouts):
-            raise ValueError(f"peer has {len(peer_layouts)} pools, this side {len(self._layouts)}")
-        for j, (mine, theirs) in enumerate(zip(self._layouts, peer_layouts)):
-            if mine.page_bytes > theirs.page_bytes:  # smaller local pages fill a prefix of the peer's
-                raise ValueError(f"pool {j}: local pages ({mine.page_bytes} B) are larger than the peer's "
-                                 f"({theirs.page_bytes} B)")
+        for run in runs:
+            if not (0 <= run.src_pool < len(self._layouts) and 0 <= run.dst_pool < len(peer_layouts)):
+                raise ValueError(f"run {run}: this side has {len(self._layouts)} pools, the peer {len(peer_layouts)}")
+            mine, theirs = self._layouts[run.src_pool], peer_layouts[run.dst_pool]
+            if run.num_bytes < 1 or min(run.src_offset, run.dst_offset) < 0 \
+                    or run.src_offset + run.num_bytes > mine.page_bytes \
+                    or run.dst_offset + run.num_bytes > theirs.page_bytes:
+                raise ValueError(f"run {run} does not fit the pages (local pool {run.src_pool}: {mine.page_bytes} B, "
+                                 f"the peer's pool {run.dst_pool}: {theirs.page_bytes} B): local pages larger "
+                                 f"than the peer's?")
             bad_src = [p for p in src if not 0 <= p < mine.num_pages]
             bad_dst = [p for p in dst if not 0 <= p < theirs.num_pages]
             if bad_src or bad_dst:
-                raise ValueError(f"pool {j}: page ids out of range: src {bad_src[:4]} (local has {mine.num_pages}), "
-                                 f"dst {bad_dst[:4]} (peer has {theirs.num_pages})")
+                raise ValueError(f"pool {run.src_pool}: page ids out of range: src {bad_src[:4]} (local has "
+                                 f"{mine.num_pages}), dst {bad_dst[:4]} (peer has {theirs.num_pages})")
         if len(set(dst)) != len(dst):
             raise ValueError("destination page ids repeat")
 
@@ -238,6 +265,8 @@ class TransferBackend(ABC):
             if num_calls and not isinstance(e, PeerUnreachable):
                 self._unsafe_until[peer_session] = time.monotonic() + self.drain_s
             error = str(e) if isinstance(e, TransferError) else f"{self.name}: {type(e).__name__}: {e}"
-            return TransferResult(TransferStatus.FAILED, num_pages, 0, num_calls, time.monotonic() - start, error)
-        num_bytes = sum(self._layouts[c.pool].page_bytes for c in copies)
-        return TransferResult(TransferStatus.DONE, num_pages, num_bytes, num_calls, time.monotonic() - start)
+            return TransferResult(TransferStatus.FAILED, num_pages, 0, num_calls, time.monotonic() - start, error,
+                                  len(copies))
+        num_bytes = sum(c.run.num_bytes for c in copies)
+        return TransferResult(TransferStatus.DONE, num_pages, num_bytes, num_calls, time.monotonic() - start,
+                              num_descriptors=len(copies))

@@ -139,10 +139,11 @@ class MooncakeBackend(TransferBackend):
                deadline: float) -> None:
         src, dst, lengths = [], [], []
         for c in copies:
-            page_bytes = self._layouts[c.pool].page_bytes  # <= the peer's: a prefix of its page
-            src.append(self._base_addresses[c.pool] + c.src_page * page_bytes)
-            dst.append(peer_layouts[c.pool].base_address + c.dst_page * peer_layouts[c.pool].page_bytes)
-            lengths.append(page_bytes)
+            run, peer = c.run, peer_layouts[c.run.dst_pool]
+            src.append(self._base_addresses[run.src_pool] + c.src_page * self._layouts[run.src_pool].page_bytes
+                       + run.src_offset)
+            dst.append(peer.base_address + c.dst_page * peer.page_bytes + run.dst_offset)
+            lengths.append(run.num_bytes)
         start = time.monotonic()
         rc = self._engine.batch_transfer_sync_write(peer_session, src, dst, lengths)
         if rc == 0:
@@ -151,7 +152,7 @@ class MooncakeBackend(TransferBackend):
         # a fast failure is a refused connection or a rejected address; a probe tells them apart cheaply
         if elapsed < 1.0 and self._engine.send_probe(peer_session) != 0:
             raise PeerUnreachable(f"mooncake: peer {peer_session} is unreachable (connection refused)")
-        raise TransferError(f"mooncake: batch write of {len(copies)} pages to {peer_session} failed after "
+        raise TransferError(f"mooncake: batch write of {len(copies)} blocks to {peer_session} failed after "
                             f"{elapsed:.2f} s (peer rejected the addresses, or timed out)")
 
     def _close(self) -> None:

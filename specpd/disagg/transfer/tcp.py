@@ -128,13 +128,13 @@ class TcpBackend(TransferBackend):
         if len(targets) != len(pages):
             return {"seq": seq, "ok": False, "error": f"{len(targets)} page targets for {len(pages)} frames"}
         views = []
-        for (pool, page), frame in zip(targets, pages):  # check all before writing any
+        for (pool, page, offset), frame in zip(targets, pages):  # check all before writing any
             if not (0 <= pool < len(self._pools) and 0 <= page < self._pools[pool].shape[0]):
                 return {"seq": seq, "ok": False, "error": f"pool {pool} page {page} out of range"}
-            if len(frame.buffer) > self._pools[pool].shape[1]:  # a shorter page fills this page's prefix
-                return {"seq": seq, "ok": False, "error": f"page of {len(frame.buffer)} B, pool {pool} pages are "
-                                                          f"{self._pools[pool].shape[1]} B"}
-            views.append((self._pools[pool][page].numpy()[:len(frame.buffer)], frame))
+            if not 0 <= offset <= offset + len(frame.buffer) <= self._pools[pool].shape[1]:
+                return {"seq": seq, "ok": False, "error": f"{len(frame.buffer)} B at offset {offset}: pool {pool} "
+                                                          f"pages are {self._pools[pool].shape[1]} B"}
+            views.append((self._pools[pool][page].numpy()[offset:offset + len(frame.buffer)], frame))
         for dst, frame in views:
             dst[:] = np.frombuffer(frame.buffer, dtype=np.uint8)
         return {"seq": seq, "ok": True}
@@ -154,8 +154,9 @@ class TcpBackend(TransferBackend):
         messages = []
         for i in range(0, len(copies), self.pages_per_message):
             group = copies[i:i + self.pages_per_message]
-            messages.append([{"op": "write", "pages": [[c.pool, c.dst_page] for c in group]},
-                             *(memoryview(self._pools[c.pool][c.src_page].numpy()) for c in group)])
+            messages.append([{"op": "write", "pages": [[c.run.dst_pool, c.dst_page, c.run.dst_offset] for c in group]},
+                             *(memoryview(self._pools[c.pool][c.src_page].numpy()[c.run.src_offset:][:c.run.num_bytes])
+                               for c in group)])
         try:
             self._exchange(self._link(peer_session, deadline), messages, deadline)
         except Exception:

@@ -1,0 +1,170 @@
+"""A PD server's transfer endpoints, one per tensor-parallel rank, and P's writes through them (DESIGN.md §6, §7b).
+
+Every rank registers the KV it holds with a transfer engine of its own: rank 0 here (its shard of the target's
+pages, and the draft's own pool where the draft has one), ranks 1.. in their worker processes
+(`_start_rank`, through `TPModel.call`). D's `KVDestination` lists every D rank's endpoint with what its pools hold
+(`KVEndpoint`); P plans which of its ranks writes which runs into which D rank (kv_layout.plan, cached per
+destination layout) and submits each P rank's part on that rank. A room's `RoomTransfer` is done when every
+part is, and failed when any failed, only once every other part has ended too: P frees its pages and answers
+D (TransferDone / TransferFailed / AbortAck) with no write of any rank still in flight.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from specpd.disagg.kv_layout import KVEndpoint, PoolPlacement, plan, pool_placement
+from specpd.disagg.messages import KVDestination
+from specpd.disagg.transfer import TransferResult, TransferStatus, create_backend
+
+
+def _draft_kv(engine):
+    """The draft model's KV pool (its own, or its layers of the target's pages), None without a draft model."""
+    from specpd.draft.hybrid import HybridProposer
+    proposer = engine.spec_runner.proposer if engine.spec_runner else None
+    if isinstance(proposer, HybridProposer):
+        proposer = proposer.model
+    return getattr(proposer, "pool", None)
+
+
+def draft_pool(engine):
+    """The draft's own KV pool (draft-on-both moves it), None when it has none or shares the target's pages."""
+    pool = _draft_kv(engine)
+    return pool if pool is not None and pool.parent is None else None
+
+
+class KVTransfers:
+    """This server's endpoints (`endpoints[r]`: rank r's) and, on P, `submit`."""
+
+    def __init__(self, engine, backend: str, host: str, advertise_host: str, draft_mode: str):
+        runner, mc = engine.runner, engine.model_config
+        self.backend = create_backend(backend, host, advertise_host=advertise_host)
+        pools = [runner.kv_pool]
+        placements = [pool_placement(runner.kv_pool, 0, 0)]
+        draft = draft_pool(engine)
+        if draft is not None and draft_mode == "both":
+            pools.append(draft)
+            placements.append(pool_placement(draft, 0, mc.num_layers))
+        layouts = self.backend.register([p.storage for p in pools])
+        self.endpoints = [KVEndpoint(0, self.backend.session_id, tuple(layouts), tuple(placements))]
+        self.tp = runner.tp
+        if self.tp is not None:
+            heads = runner.kv_pool.kv_heads
+            calls = [self.tp.call(rank, _start_rank, backend, host, advertise_host)
+                     for rank in range(1, runner.config.tp_size)]
+            for rank, call in enumerate(calls, start=1):
+                if not call.wait(START_TIMEOUT_S) or isinstance(call.value, Exception):
+                    raise RuntimeError(f"tensor-parallel rank {rank} could not start its transfer engine: "
+                                       f"{call.value if call.done else 'no answer'}")
+                session, rank_layouts = call.value
+                where = pool_placement(runner.kv_pool, rank * heads, 0)  # every rank's shard has rank 0's shape
+                self.endpoints.append(KVEndpoint(rank, session, tuple(rank_layouts), (where,)))
+        # what moves: the target's layers, and the draft's when P ran the draft extend (draft-on-both)
+        self.layers = range(mc.num_layers + (draft_layers(engine) if draft_mode == "both" else 0))
+        self._plans: dict = {}
+
+    def plan(self, dest: KVDestination) -> dict:
+        """{(P rank, D rank): runs} for `dest`'s endpoints (kv_layout.plan; LayoutMismatch when they do not fit)."""
+        key = tuple(ep.placements for ep in dest.endpoints)
+        if key not in self._plans:
+            self._plans[key] = plan([ep.placements for ep in self.endpoints], list(key), self.layers)
+        return self._plans[key]
+
+    def submit(self, dest: KVDestination, src: list[int], dst: list[int]) -> "RoomTransfer":
+        """Pages `src` here -> pages `dst` of `dest`: each P rank's runs on that rank. ValueError when refused."""
+        parts = []
+        for (p_rank, d_rank), runs in sorted(self.plan(dest).items()):
+            ep = dest.endpoints[d_rank]
+            if p_rank == 0:
+                parts.append(self.backend.submit(ep.session, src, dst, ep.pools, runs))
+            else:
+                parts.append(RankWrite(self.tp.call(p_rank, _write_rank, ep.session, src, dst, ep.pools, runs),
+                                       len(src)))
+        return RoomTransfer(parts, len(src))
+
+    def close(self) -> None:
+        self.backend.close()  # the workers' engines close with their processes
+
+
+START_TIMEOUT_S = 60.0
+
+
+def _start_rank(state, done, backend: str, host: str, advertise_host: str) -> None:
+    """On a worker rank (TPModel.call): its transfer engine with its KV pool registered -> (session, layouts)."""
+    try:
+        engine = create_backend(backend, host, advertise_host=advertise_host)
+        layouts = engine.register([state.pool.storage])
+    except Exception as e:  # noqa: BLE001 - rank 0 raises it, naming this rank
+        done(RuntimeError(f"{type(e).__name__}: {e}"))
+        return
+    state.transfer = engine
+    state.on_exit = [*getattr(state, "on_exit", ()), engine.close]
+    done((engine.session_id, tuple(layouts)))
+
+
+def _write_rank(state, done, session: str, src: list[int], dst: list[int], layouts, runs) -> None:
+    """On a worker rank: write its runs of pages `src` into the peer's `dst`; the TransferResult (an error naming
+    the rank) comes back when the write ends."""
+    def report(result: TransferResult) -> None:
+        done(result if result.ok else dataclasses.replace(result, error=f"rank {state.rank}: {result.error}"))
+    try:
+        handle = state.transfer.submit(session, src, dst, layouts, runs)
+    except (AttributeError, ValueError, RuntimeError) as e:
+        report(TransferResult(TransferStatus.FAILED, len(src), 0, 0, 0.0, f"write refused: {e}"))
+        return
+    handle.on_done(report)
+
+
+class RankWrite:
+    """A worker rank's write as a TransferHandle (poll / wait) on rank 0."""
+
+    def __init__(self, call, num_pages: int):
+        self.call, self.num_pages = call, num_pages
+
+    def poll(self) -> TransferStatus:
+        return self._result().status if self.call.ready() else TransferStatus.PENDING
+
+    def wait(self, timeout: float | None = None) -> TransferResult | None:
+        return self._result() if self.call.wait(timeout) else None
+
+    def _result(self) -> TransferResult:
+        value = self.call.value
+        if isinstance(value, Exception):  # the rank died with the write in flight
+            return TransferResult(TransferStatus.FAILED, self.num_pages, 0, 0, 0.0, str(value))
+        return value
+
+
+def draft_layers(engine) -> int:
+    pool = _draft_kv(engine)
+    return pool.num_layers if pool is not None else 0
+
+
+class RoomTransfer:
+    """One submit's parts on every P rank, polled and waited on as one TransferHandle."""
+
+    def __init__(self, parts: list, num_pages: int):
+        self.parts, self.num_pages = parts, num_pages
+
+    def poll(self) -> TransferStatus:
+        statuses = [part.poll() for part in self.parts]
+        if TransferStatus.PENDING in statuses:
+            return TransferStatus.PENDING
+        return TransferStatus.FAILED if TransferStatus.FAILED in statuses else TransferStatus.DONE
+
+    def wait(self, timeout: float | None = None) -> TransferResult | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
+        for part in self.parts:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            result = part.wait(left)
+            if result is None:
+                return None
+            results.append(result)
+        failed = next((r for r in results if not r.ok), None)
+        return TransferResult(TransferStatus.FAILED if failed else TransferStatus.DONE, self.num_pages,
+                              0 if failed else sum(r.num_bytes for r in results), sum(r.num_calls for r in results),
+                              max((r.elapsed_s for r in results), default=0.0), failed.error if failed else None,
+                              sum(r.num_descriptors for r in results))
+
+
+__all__ = ["KVTransfers", "PoolPlacement", "RoomTransfer", "draft_pool"]

@@ -6,12 +6,12 @@ contiguous run. Each side describes every registered pool of every rank with a `
 heads and layers it holds (layers numbered target first, then the draft's). Under tensor parallelism rank r's
 target pool holds heads [r * H / tp, (r + 1) * H / tp) of the target's layers; a draft runs whole on rank 0
 (specpd/model/tp.py), so its pool holds every head of the draft's layers, inside the target's pages at TP 1 when
-its geometry matches (one pool, heads [0, H), layers [0, L_target + L_draft)), else a pool of its own.
+its geometry matches (the page's second block), else a pool of its own.
 
 `plan(src, dst, layers)` maps every (head, layer) of `layers` that D holds to the P rank and pool holding it,
 and merges neighbours that are contiguous on both sides into one `Run`: P TP -> D TP moves whole head ranges,
-one run per page and overlapping head range (two where the target's and the draft's layers sit in different
-pools on one side only), never per-token slices. A (head, layer) that D expects and P does not hold is a
+one run per page and overlapping head range of the target's layers, one for the draft's (one for both when the
+whole page moves), never per-token slices. A (head, layer) that D expects and P does not hold is a
 `LayoutMismatch` naming both sides.
 """
 from __future__ import annotations
@@ -25,37 +25,38 @@ class LayoutMismatch(ValueError):
     """D expects KV that P does not hold (or holds twice): the message names both sides' placements."""
 
 
-def pool_placement(pool, head_start: int, layer_start: int) -> PoolPlacement:
-    """A KVPool's placement (`pool.storage` is what is registered: every layer of its pages)."""
-    storage = pool.storage
-    return PoolPlacement(head_start, pool.kv_heads, layer_start, storage.shape[2],
-                         2 * pool.page_size * pool.head_dim * storage.element_size())
-
-
-__all__ = ["KVEndpoint", "LayoutMismatch", "PoolPlacement", "plan", "pool_placement"]
+def pool_placements(pool, index: int, head_start: int, layer_start: int) -> list[PoolPlacement]:
+    """Registered pool `index` (a KVPool's storage) holds its heads of its layers from byte 0 of a page, then,
+    where it keeps room for a draft's layers (`extra_layers`), those heads of the draft's layers."""
+    block = 2 * pool.page_size * pool.head_dim * pool.storage.element_size()
+    out = [PoolPlacement(index, 0, head_start, pool.kv_heads, layer_start, pool.num_layers, block)]
+    if pool.extra_layers:
+        out.append(PoolPlacement(index, pool.kv_heads * pool.num_layers * block, head_start, pool.kv_heads,
+                                 layer_start + pool.num_layers, pool.extra_layers, block))
+    return out
 
 
 def plan(src: list[tuple[PoolPlacement, ...]], dst: list[tuple[PoolPlacement, ...]],
          layers: range) -> dict[tuple[int, int], list[Run]]:
     """{(P rank, D rank): runs} moving every (head, layer) of `layers` that D holds from where P holds it.
 
-    `src[r]` / `dst[r]`: rank r's pools' placements. Raises LayoutMismatch when P lacks one or holds one twice."""
+    `src[r]` / `dst[r]`: rank r's placements. Raises LayoutMismatch when P lacks one or holds one twice."""
     blocks: list[tuple[int, int, int, int, int, int, int]] = []  # (src rank, src pool, src off, dst rank, ...)
-    for d_rank, pools in enumerate(dst):
-        for d_pool, where in enumerate(pools):
+    for d_rank, placements in enumerate(dst):
+        for where in placements:
             for head in range(where.head_start, where.head_start + where.num_heads):
                 for layer in range(max(where.layer_start, layers.start),
                                    min(where.layer_start + where.num_layers, layers.stop)):
-                    found = [(r, j, p) for r, ps in enumerate(src) for j, p in enumerate(ps) if p.holds(head, layer)]
+                    found = [(r, p) for r, ps in enumerate(src) for p in ps if p.holds(head, layer)]
                     if len(found) != 1:
                         raise LayoutMismatch(f"the decode side holds KV head {head} of layer {layer} (rank {d_rank} "
-                                             f"pool {d_pool}), which {len(found)} prefill pools hold, not one: "
+                                             f"pool {where.pool}), which {len(found)} prefill pools hold, not one: "
                                              f"prefill {describe(src)}; decode {describe(dst)}")
-                    s_rank, s_pool, there = found[0]
+                    s_rank, there = found[0]
                     if there.block_bytes != where.block_bytes:
                         raise LayoutMismatch(f"KV block of {there.block_bytes} B on the prefill side, "
                                              f"{where.block_bytes} B on the decode side (page size, head dim, dtype)")
-                    blocks.append((s_rank, s_pool, there.offset(head, layer), d_rank, d_pool,
+                    blocks.append((s_rank, there.pool, there.offset(head, layer), d_rank, where.pool,
                                    where.offset(head, layer), where.block_bytes))
     runs: dict[tuple[int, int], list[Run]] = {}
     for s_rank, s_pool, s_off, d_rank, d_pool, d_off, size in sorted(blocks):
@@ -75,3 +76,6 @@ def describe(side: list[tuple[PoolPlacement, ...]]) -> str:
                                        f"{p.layer_start}-{p.layer_start + p.num_layers - 1}" for p in pools) + "]"
              for r, pools in enumerate(side)]
     return f"TP {len(side)}: " + ", ".join(ranks)
+
+
+__all__ = ["KVEndpoint", "LayoutMismatch", "PoolPlacement", "plan", "pool_placements"]

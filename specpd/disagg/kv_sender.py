@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from specpd.disagg.kv_layout import KVEndpoint, PoolPlacement, plan, pool_placement
+from specpd.disagg.kv_layout import KVEndpoint, PoolPlacement, plan, pool_placements
 from specpd.disagg.messages import KVDestination
 from specpd.disagg.transfer import TransferResult, TransferStatus, create_backend
 
@@ -40,11 +40,11 @@ class KVTransfers:
         runner, mc = engine.runner, engine.model_config
         self.backend = create_backend(backend, host, advertise_host=advertise_host)
         pools = [runner.kv_pool]
-        placements = [pool_placement(runner.kv_pool, 0, 0)]
+        placements = pool_placements(runner.kv_pool, 0, 0, 0)  # and the draft's layers in its pages
         draft = draft_pool(engine)
         if draft is not None and draft_mode == "both":
             pools.append(draft)
-            placements.append(pool_placement(draft, 0, mc.num_layers))
+            placements += pool_placements(draft, 1, 0, mc.num_layers)
         layouts = self.backend.register([p.storage for p in pools])
         self.endpoints = [KVEndpoint(0, self.backend.session_id, tuple(layouts), tuple(placements))]
         self.tp = runner.tp
@@ -57,8 +57,8 @@ class KVTransfers:
                     raise RuntimeError(f"tensor-parallel rank {rank} could not start its transfer engine: "
                                        f"{call.value if call.done else 'no answer'}")
                 session, rank_layouts = call.value
-                where = pool_placement(runner.kv_pool, rank * heads, 0)  # every rank's shard has rank 0's shape
-                self.endpoints.append(KVEndpoint(rank, session, tuple(rank_layouts), (where,)))
+                where = pool_placements(runner.kv_pool, 0, rank * heads, 0)  # every shard has rank 0's shape
+                self.endpoints.append(KVEndpoint(rank, session, tuple(rank_layouts), tuple(where)))
         # what moves: the target's layers, and the draft's when P ran the draft extend (draft-on-both)
         self.layers = range(mc.num_layers + (draft_layers(engine) if draft_mode == "both" else 0))
         self._plans: dict = {}

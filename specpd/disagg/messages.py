@@ -102,10 +102,13 @@ class PoolLayout:
 
 @dataclass(frozen=True)
 class PoolPlacement:
-    """What a registered pool's pages hold (specpd/disagg/kv_layout.py): KV heads [head_start, +num_heads) of
-    layers [layer_start, +num_layers) (target layers first, then the draft's), a page being
-    [num_heads, num_layers, 2, page_size, head_dim] in memory: one (head, layer) is `block_bytes`."""
+    """What a block of every page of registered pool `pool` holds (specpd/disagg/kv_layout.py): KV heads
+    [head_start, +num_heads) of layers [layer_start, +num_layers) (target layers first, then the draft's), laid
+    out [num_heads, num_layers, 2, page_size, head_dim] from byte `page_offset` of the page: one (head, layer)
+    is `block_bytes`."""
 
+    pool: int
+    page_offset: int
     head_start: int
     num_heads: int
     layer_start: int
@@ -117,12 +120,13 @@ class PoolPlacement:
                 and self.layer_start <= layer < self.layer_start + self.num_layers)
 
     def offset(self, head: int, layer: int) -> int:
-        return ((head - self.head_start) * self.num_layers + layer - self.layer_start) * self.block_bytes
+        return self.page_offset + ((head - self.head_start) * self.num_layers + layer - self.layer_start) * \
+            self.block_bytes
 
 
 @dataclass(frozen=True)
 class KVEndpoint:
-    """One rank's transfer endpoint: its backend session, its registered pools and what each holds."""
+    """One rank's transfer endpoint: its backend session, its registered pools and what their pages hold."""
 
     rank: int
     session: str  # TransferBackend.session_id

@@ -46,9 +46,7 @@ class LLMEngine(HandoffHooks):
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
         draft_layers = 0
-        # the draft's layers in the target's pages, except draft-on-decode-only: there a prefill server's pages
-        # hold the target's layers only, which then move into a decode server's as one run per page (kv_layout.py)
-        if spec.enabled and with_draft and spec.draft_mode != "decode-only":
+        if spec.enabled and with_draft:
             from specpd.draft.loader import shared_page_layers
             draft_layers = shared_page_layers(spec, self.model_config)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role)

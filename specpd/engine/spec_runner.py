@@ -314,8 +314,8 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         # tensor parallelism the draft runs whole on rank 0, every head, in a pool of its own)
         pool = runner.kv_pool
         shared = None
-        if runner.tp is None and pool.num_layers == cfg.num_layers + draft.config.num_layers:
-            shared = KVPool.layers_of(pool, cfg.num_layers, draft.config.num_layers)
+        if runner.tp is None and pool.extra_layers == draft.config.num_layers:
+            shared = KVPool.layers_of(pool)
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
         if spec.hybrid:
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))

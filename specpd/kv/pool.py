@@ -1,14 +1,14 @@
 """The KV pool tensor, page-major: one page is one contiguous block holding every layer's K and V.
 
-In memory (`storage`) a page is `[kv_heads, num_layers, 2, page_size, head_dim]`: heads outside layers and
-positions (DESIGN.md §3, §7b), so any range of a page's KV heads is one contiguous block and a transfer moves
-one descriptor per page and head range (specpd/disagg/kv_layout.py), whatever the tensor-parallel sizes of the
-two sides. Code indexes the logical view `buffer` `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]`
-(a permutation of storage); per-layer K and V are strided views `[num_pages, page_size, kv_heads, head_dim]`,
-and every kernel takes the page, position and head strides from them.
-A draft model whose KV geometry matches the target's keeps its layers in the same page block, after the
-target's in each head's block (`extra_layers`, then `KVPool.layers_of`): one descriptor per page and head range
-moves target and draft KV.
+In memory (`storage`, [num_pages, page elements]) a page is the pool's own layers `[kv_heads, num_layers, 2,
+page_size, head_dim]`, then, where a draft model's KV geometry matches, the draft's layers `[kv_heads,
+extra_layers, 2, page_size, head_dim]` (`KVPool.layers_of` views them). Heads are outside layers and positions
+(DESIGN.md §3, §7b): any range of a page's KV heads, of the target's layers or of the draft's, is one contiguous
+block, so a transfer moves one descriptor per page and overlapping head range (specpd/disagg/kv_layout.py)
+whatever the tensor-parallel sizes of the two sides, and a whole page (target and draft) is one block too.
+Code indexes the logical view `buffer` `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (strided over
+storage); per-layer K and V are strided views `[num_pages, page_size, kv_heads, head_dim]`, and every kernel takes
+the page, position and head strides from them.
 """
 from __future__ import annotations
 
@@ -22,22 +22,33 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class KVPool:
     def __init__(self, num_pages: int, num_layers: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", allocator: PageAllocator | None = None):
-        """`allocator`: share another pool's page ids (the draft pool mirrors the target's pages)."""
+                 dtype: torch.dtype, device: str | torch.device = "cpu", allocator: PageAllocator | None = None,
+                 extra_layers: int = 0):
+        """`allocator`: share another pool's page ids (the draft pool mirrors the target's pages).
+        `extra_layers`: room after this pool's layers in every page for a draft's (`layers_of`)."""
         self.num_pages = num_pages
         self.num_layers = num_layers
+        self.extra_layers = extra_layers
         self.page_size = page_size
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        # storage [num_pages, kv_heads, num_layers, 2, page_size, head_dim] (contiguous: what a transfer registers);
-        # buffer: the same memory as [num_pages, num_layers, 2, page_size, kv_heads, head_dim]
-        self.storage = torch.zeros(num_pages, kv_heads, num_layers, 2, page_size, head_dim, dtype=dtype,
-                                   device=device)
-        self.buffer = self.storage.permute(0, 2, 3, 4, 1, 5)
+        self.storage = torch.zeros(num_pages, kv_heads * (num_layers + extra_layers) * 2 * page_size * head_dim,
+                                   dtype=dtype, device=device)
+        self.first_layer = 0  # in the page: a `layers_of` view's first layer is its parent's num_layers
+        self.buffer = self._view(0, num_layers)
         self.allocator = allocator or PageAllocator(num_pages)
 
         self.parent: KVPool | None = None  # set on a `layers_of` view
+
+    def _view(self, first_layer: int, num_layers: int) -> torch.Tensor:
+        """[num_pages, num_layers, 2, page_size, kv_heads, head_dim] over the block of layers starting at
+        `first_layer` of every page (that block is [kv_heads, num_layers, 2, page_size, head_dim])."""
+        block = 2 * self.page_size * self.head_dim
+        return self.storage.as_strided(
+            (self.num_pages, num_layers, 2, self.page_size, self.kv_heads, self.head_dim),
+            (self.storage.stride(0), block, self.page_size * self.head_dim, self.head_dim, num_layers * block, 1),
+            self.storage.storage_offset() + self.kv_heads * first_layer * block)
 
     @staticmethod
     def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, extra_layers: int = 0) -> int:
@@ -50,27 +61,29 @@ class KVPool:
         """`extra_layers`: room in every page for a draft's layers (same kv heads, head dim and dtype)."""
         if num_pages is None:
             num_pages = max(1, (memory_mb << 20) // cls.page_bytes(cfg, page_size, dtype, extra_layers))
-        return cls(num_pages, cfg.num_layers + extra_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
-                   device)
+        return cls(num_pages, cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+                   extra_layers=extra_layers)
 
     @classmethod
-    def layers_of(cls, parent: "KVPool", first_layer: int, num_layers: int) -> "KVPool":
-        """A pool over layers [first_layer, first_layer + num_layers) of `parent`'s pages: the same page ids,
-        allocator and memory (its `buffer` is a strided view; its layer 0 is the parent's `first_layer`)."""
-        if not 0 <= first_layer <= first_layer + num_layers <= parent.num_layers:
-            raise ValueError(f"layers {first_layer}..{first_layer + num_layers - 1} are not in a "
-                             f"{parent.num_layers}-layer pool")
+    def layers_of(cls, parent: "KVPool") -> "KVPool":
+        """A pool over the draft's layers of `parent`'s pages (its `extra_layers`): the same page ids, allocator
+        and memory (its `buffer` is a strided view of parent.storage)."""
+        if not parent.extra_layers:
+            raise ValueError(f"a {parent.num_layers}-layer pool keeps no room for a draft's layers")
         view = cls.__new__(cls)
-        view.num_pages, view.num_layers, view.page_size = parent.num_pages, num_layers, parent.page_size
-        view.kv_heads, view.head_dim, view.dtype = parent.kv_heads, parent.head_dim, parent.dtype
-        view.buffer = parent.buffer[:, first_layer:first_layer + num_layers]
+        view.num_pages, view.num_layers, view.extra_layers = parent.num_pages, parent.extra_layers, 0
+        view.page_size, view.kv_heads, view.head_dim, view.dtype = (parent.page_size, parent.kv_heads,
+                                                                    parent.head_dim, parent.dtype)
         view.storage = parent.storage  # whole pages: the parent's memory
+        view.first_layer = parent.num_layers
+        view.buffer = view._view(parent.num_layers, parent.extra_layers)
         view.allocator = parent.allocator
         view.parent = parent
         return view
 
     @property
     def bytes_per_page(self) -> int:
+        """This pool's layers of a page."""
         return self.buffer[0].numel() * self.buffer.element_size()
 
     def k_cache(self, layer: int) -> torch.Tensor:

@@ -113,14 +113,15 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
     p, d = make_workers(spec_model_dir, spec)
     got_trees = record_trees(d.engine)
     try:
+        # the draft's layers sit in the target's pages, after the target's block: one pool, one descriptor per page
+        assert d.engine.spec_runner.proposer.pool.parent is d.engine.runner.kv_pool
         assert len(p.backend.layouts) == len(d.backend.layouts) == 1
-        assert p.backend.layouts[0].page_bytes == d.backend.layouts[0].page_bytes
-        if mode == "both":  # the draft's layers sit in the target's pages: one descriptor per page moves both
-            assert d.engine.spec_runner.proposer.pool.parent is d.engine.runner.kv_pool
-            assert p.peer_config.draft_mode == "both"
-        else:  # P has no draft, D keeps its draft's KV in a pool of its own: one descriptor per page, the target's
+        d_page = d.backend.layouts[0].page_bytes
+        if mode == "both":  # the whole page moves
+            assert p.peer_config.draft_mode == "both" and p.backend.layouts[0].page_bytes == d_page
+        else:  # P has no draft: its target-only pages fill the target's block of D's pages, D builds the draft KV
             assert p.peer_config.draft_mode == "decode_only" and p.engine.spec_runner is None
-            assert d.engine.spec_runner.proposer.pool.parent is None
+            assert p.backend.layouts[0].page_bytes < d_page
         assert sum(len(runs) for runs in p.kv.plan(KVDestination(0, tuple(d.kv.endpoints), [])).values()) == 1
         final = run_pd(p, d, PROMPTS, GREEDY)
         got = [final[f"d{i}"] for i in range(len(PROMPTS))]

@@ -3,7 +3,7 @@ runs put every KV byte D holds where TP 1 would have it; a pair that does not fi
 import pytest
 import torch
 
-from specpd.disagg.kv_layout import LayoutMismatch, plan, pool_placement
+from specpd.disagg.kv_layout import LayoutMismatch, plan, pool_placements
 from specpd.kv.pool import KVPool
 
 HEADS, TARGET_LAYERS, DRAFT_LAYERS, PAGE, DIM, PAGES = 12, 3, 1, 4, 8, 6
@@ -11,19 +11,20 @@ HEADS, TARGET_LAYERS, DRAFT_LAYERS, PAGE, DIM, PAGES = 12, 3, 1, 4, 8, 6
 
 def side(tp: int, mode: str) -> list[list[tuple[KVPool, int, int]]]:
     """A server's registered pools per rank as kv_sender builds them, each with its first head and layer: rank
-    r's target heads (the draft's layers inside them at TP 1), and at TP > 1 rank 0's own draft pool (every
-    head), draft-on-both."""
-    shared = tp == 1 and mode == "both"
+    r's target heads (at TP 1 with room for the draft's layers in its pages), and at TP > 1 rank 0's own draft
+    pool (every head), draft-on-both."""
     heads = HEADS // tp
-    ranks = [[(KVPool(PAGES, TARGET_LAYERS + (DRAFT_LAYERS if shared else 0), PAGE, heads, DIM, torch.float32),
-               r * heads, 0)] for r in range(tp)]
-    if mode == "both" and not shared:
+    extra = DRAFT_LAYERS if tp == 1 and mode == "both" else 0
+    ranks = [[(KVPool(PAGES, TARGET_LAYERS, PAGE, heads, DIM, torch.float32, extra_layers=extra), r * heads, 0)]
+             for r in range(tp)]
+    if mode == "both" and tp > 1:
         ranks[0].append((KVPool(PAGES, DRAFT_LAYERS, PAGE, HEADS, DIM, torch.float32), 0, TARGET_LAYERS))
     return ranks
 
 
 def placements(ranks) -> list[tuple]:
-    return [tuple(pool_placement(pool, head, layer) for pool, head, layer in pools) for pools in ranks]
+    return [tuple(p for i, (pool, head, layer) in enumerate(pools) for p in pool_placements(pool, i, head, layer))
+            for pools in ranks]
 
 
 def fill(ranks, whole: torch.Tensor) -> None:
@@ -31,6 +32,10 @@ def fill(ranks, whole: torch.Tensor) -> None:
     for pools in ranks:
         for pool, head, layer in pools:
             pool.buffer.copy_(whole[:, layer:layer + pool.num_layers, :, :, head:head + pool.kv_heads])
+            if pool.extra_layers:  # the draft's layers in the same pages
+                end = layer + pool.num_layers + pool.extra_layers
+                KVPool.layers_of(pool).buffer.copy_(whole[:, layer + pool.num_layers:end, :, :,
+                                                          head:head + pool.kv_heads])
 
 
 def apply(runs: dict, src: list[list[KVPool]], dst: list[list[KVPool]], src_pages, dst_pages) -> int:
@@ -68,18 +73,13 @@ def test_every_tp_pair_moves_whole_head_ranges_and_lands_what_tp1_holds(p_tp, d_
     fill(want, expect)
     for got_pools, want_pools in zip(dst, want):
         for (got, _, _), (pool, _, _) in zip(got_pools, want_pools):
-            assert torch.equal(got.buffer, pool.buffer)
-    # one run per page and overlapping head range (the target's heads of P rank p and D rank d overlap in one
-    # range), plus one for the draft's own pool (rank 0 to rank 0) at TP > 1 draft-on-both; where only one side
-    # keeps the draft's layers inside the target's pages (TP 1 beside TP > 1, draft-on-both), each head's target
-    # and draft layers are a run apiece on the other side
+            assert torch.equal(got.storage, pool.storage)
+    # one run per page and overlapping head range of the target's layers (P rank p's and D rank d's heads overlap
+    # in one range), and one for the draft's (every head, rank 0 to rank 0), merged into one when whole pages move
     overlaps = sum(1 for p in range(p_tp) for d in range(d_tp)
                    if max(p * HEADS // p_tp, d * HEADS // d_tp) < min((p + 1) * HEADS // p_tp, (d + 1) * HEADS // d_tp))
     per_page = sum(len(r) for r in runs.values())
-    if mode == "both" and min(p_tp, d_tp) == 1 < max(p_tp, d_tp):
-        assert per_page == 2 * HEADS
-    else:
-        assert per_page == overlaps + (1 if mode == "both" and p_tp > 1 else 0)
+    assert per_page == overlaps + (1 if mode == "both" and max(p_tp, d_tp) > 1 else 0)
     assert descriptors == per_page * len(src_pages)
 
 

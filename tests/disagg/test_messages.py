@@ -38,9 +38,9 @@ ALL_MESSAGES = [
     DecodeRegister(room=1, decode_endpoint="tcp://127.0.0.1:7100", config=CFG),
     KVDestination(room=1, endpoints=(
         KVEndpoint(0, "127.0.0.1:15000", (PoolLayout(140000000000, 737280, 512), PoolLayout(14010000000, 24576, 512)),
-                   (PoolPlacement(0, 1, 0, 30, 4096), PoolPlacement(0, 3, 30, 1, 4096))),
+                   (PoolPlacement(0, 0, 0, 1, 0, 30, 4096), PoolPlacement(1, 0, 0, 3, 30, 1, 4096))),
         KVEndpoint(1, "127.0.0.1:15002", (PoolLayout(140200000000, 737280, 512),),
-                   (PoolPlacement(1, 1, 0, 30, 4096),))),
+                   (PoolPlacement(0, 0, 1, 1, 0, 30, 4096),))),
         dst_page_ids=[3, 9, 1, 0]),
     KVDestination(room=2, endpoints=(), dst_page_ids=[]),
     _handoff_both(),

@@ -118,26 +118,28 @@ def test_writers_keep_the_policy_of_the_thread_that_built_the_backend(make_backe
     assert writers() == before and all(os.sched_getscheduler(tid) == os.SCHED_OTHER for tid in before)
 
 
-def test_runs_move_head_blocks_into_pages_of_another_shape(make_backend):
-    """A prefill server's target-only pages into a decode server's target + draft pages: kv_layout plans one run
-    per head (each head's target layers are contiguous on both sides), and the draft layer is never touched."""
-    from specpd.disagg.kv_layout import plan, pool_placement
+def test_runs_move_the_target_block_into_pages_that_also_hold_a_draft(make_backend):
+    """A prefill server's target-only pages (draft-on-decode-only) into pages that also hold a draft's layers:
+    kv_layout plans one run per page (the target's block starts every page on both sides), and the draft's block
+    is never touched."""
+    from specpd.disagg.kv_layout import plan, pool_placements
     from specpd.kv.pool import KVPool
     src = KVPool(12, 3, 4, 2, 16, torch.float32)
     src.buffer.copy_(torch.randn(src.buffer.shape))
-    dst = KVPool(12, 4, 4, 2, 16, torch.float32)  # one more (draft) layer per page, after the target's
-    dst.buffer[:, 3] = 7.0
-    runs = plan([(pool_placement(src, 0, 0),)], [(pool_placement(dst, 0, 0),)], range(3))[(0, 0)]
-    assert [(r.src_offset, r.dst_offset, r.num_bytes) for r in runs] == [(0, 0, 3 * 512), (3 * 512, 4 * 512, 3 * 512)]
+    dst = KVPool(12, 3, 4, 2, 16, torch.float32, extra_layers=1)  # room for one draft layer per page
+    draft = KVPool.layers_of(dst)
+    draft.buffer.fill_(7.0)
+    runs = plan([pool_placements(src, 0, 0, 0)], [pool_placements(dst, 0, 0, 0)], range(3))[(0, 0)]
+    assert [(r.src_offset, r.dst_offset, r.num_bytes) for r in runs] == [(0, 0, src.bytes_per_page)]
     sender, receiver = make_backend(), make_backend()
     sender.register([src.storage])
     layouts = receiver.register([dst.storage])
     result = sender.transfer(receiver.session_id, [5, 0, 11], [1, 9, 4], layouts, runs)
-    assert result.ok and result.num_bytes == 3 * src.bytes_per_page and result.num_descriptors == 6, result
-    assert torch.equal(dst.buffer[[1, 9, 4], :3], src.buffer[[5, 0, 11]])
-    assert (dst.buffer[:, 3] == 7.0).all()  # the draft layer is never touched
+    assert result.ok and result.num_bytes == 3 * src.bytes_per_page and result.num_descriptors == 3, result
+    assert torch.equal(dst.buffer[[1, 9, 4]], src.buffer[[5, 0, 11]])
+    assert (draft.buffer == 7.0).all()  # the draft's layers are never touched
     untouched = [p for p in range(12) if p not in (1, 9, 4)]
-    assert not dst.buffer[untouched, :3].any()
+    assert not dst.buffer[untouched].any()
     with pytest.raises(ValueError, match="does not fit the pages"):
         receiver.submit(sender.session_id, [0], [0], sender.layouts)
 

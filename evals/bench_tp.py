@@ -8,12 +8,11 @@ size, `--steps` decode steps of TP 1 and then of TP N (interleaved, fresh reques
 timed). Rank 0's all-reduces are timed in the same steps (wall clock: it includes waiting for the slowest rank,
 which is what a step pays). On a 2-core box TP is a correctness feature: three ranks share two cores, so the
 ratio says what the split and its 2 x layers all-reduces cost per step, not what a machine with a core (or a
-GPU) per rank would gain. Each round also times one prefill of a `--prefill-tokens` prompt at TP 1, at TP N,
-and at TP N as a PD prefill server keeps whole pages for the handoff (every forward's new K/V gathered from the
-ranks into rank 0: what P pays so that any D TP size can take its pages, one descriptor per page).
+GPU) per rank would gain. Each round also times one prefill of a `--prefill-tokens` prompt at TP 1 and at TP N.
 `--pairs 1:1,3:1,1:3,3:3` then serves real P and D servers of those TP sizes (the shipped EAGLE-3 head,
 draft-on-both, Mooncake where it loads) and reads P's transfer counters: descriptors per request and per page
-for each P->D pair (the target: at most one per overlapping head range; whole pages: one per page and pool).
+for each P->D pair (each P rank writes its heads into the D ranks holding them: one descriptor per page and
+overlapping head range of the target's layers, one for the draft's; a whole page at TP 1 -> TP 1).
 """
 from __future__ import annotations
 
@@ -133,12 +132,11 @@ def main() -> None:
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     one = LLMEngine(EngineConfig(model="default"), checkpoint=checkpoint)
     many = LLMEngine(EngineConfig(model="default", tp_size=args.tp), checkpoint=checkpoint)
-    staging = LLMEngine(EngineConfig(model="default", tp_size=args.tp), checkpoint=checkpoint, pd_role="prefill")
     long_prompt = [t for p in prompts for t in p] * (args.prefill_tokens // sum(map(len, prompts)) + 2)
     timer = AllReduceTimer(many.runner.tp._group)
     log(f"tp1 threads {one.runner.num_threads}, tp{args.tp} threads per rank {many.runner.num_threads}")
     rows = {b: {"tp1": [], f"tp{args.tp}": []} for b in args.batches}
-    prefill = {"tp1": [], f"tp{args.tp}": [], f"tp{args.tp}_pd_prefill_whole_pages": []}
+    prefill = {"tp1": [], f"tp{args.tp}": []}
     try:
         for rnd in range(args.rounds + 1):  # round 0 warms both
             for b in args.batches:
@@ -150,7 +148,7 @@ def main() -> None:
                     rows[b][f"tp{args.tp}"].append(rn)
                 if b == args.batches[-1]:
                     fresh = long_prompt[7 * rnd:7 * rnd + args.prefill_tokens]  # a new first page: no prefix-cache hit
-                    got = [prefill_ms(e, fresh) for e in (one, many, staging)]
+                    got = [prefill_ms(e, fresh) for e in (one, many)]
                     if rnd:
                         for key, ms in zip(prefill, got):
                             prefill[key].append(ms)
@@ -160,7 +158,6 @@ def main() -> None:
                     f"(all-reduce {rn['all_reduce_ms']:.1f} ms)")
     finally:
         many.close()
-        staging.close()
     summary = {}
     for b, r in rows.items():
         t1 = [x["step_ms"] for x in r["tp1"]]
@@ -175,8 +172,6 @@ def main() -> None:
                             "all_reduce_share_median": statistics.median(a / n for a, n in zip(ar, tn)),
                             "all_reduces_per_step": r[f"tp{args.tp}"][0]["all_reduces_per_step"]}
     summary["prefill"] = {f"{k}_ms_median": statistics.median(v) for k, v in prefill.items()}
-    summary["prefill"]["whole_pages_over_tp_n_median"] = statistics.median(
-        a / b for a, b in zip(prefill[f"tp{args.tp}_pd_prefill_whole_pages"], prefill[f"tp{args.tp}"]))
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",") if p]
     info["pd_descriptors"] = descriptors(pairs, prompts[:4]) if pairs else []
     info.update(prefill_tokens=args.prefill_tokens, tp=args.tp, tp1_threads=one.runner.num_threads, tpn_threads_per_rank=many.runner.num_threads,

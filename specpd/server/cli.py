@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="router: /health answers 503 until PATH exists (--disagg sets it: the router's /health "
                          "is 200 only once the launcher has printed its ready line and supervises the cluster)")
     pd.add_argument("--prefill-tp", type=int, metavar="N", help="--disagg: the prefill servers' --tp-size (default: "
-                    "--tp-size); P and D of any two sizes pair (whole pages travel, each rank takes its heads)")
+                    "--tp-size); P and D of any two sizes that divide the KV heads pair (each P rank writes its heads "
+                    "into the D ranks holding them)")
     pd.add_argument("--decode-tp", type=int, metavar="N", help="--disagg: the decode servers' --tp-size (default: "
                     "--tp-size)")
     pd.add_argument("--prefill-port", type=int, help="--disagg: first prefill server's port (default: --port+1)")

@@ -71,12 +71,19 @@ class KVTransfers:
         return self._plans[key]
 
     def submit(self, dest: KVDestination, src: list[int], dst: list[int]) -> "RoomTransfer":
-        """Pages `src` here -> pages `dst` of `dest`: each P rank's runs on that rank. ValueError when refused."""
+        """Pages `src` here -> pages `dst` of `dest`: each P rank's runs on that rank. LayoutMismatch (a ValueError)
+        when the sides do not fit; a part refused after others were submitted is a failed part of the room, which
+        then fails once those ended (never with a write still in flight)."""
         parts = []
         for (p_rank, d_rank), runs in sorted(self.plan(dest).items()):
             ep = dest.endpoints[d_rank]
             if p_rank == 0:
-                parts.append(self.backend.submit(ep.session, src, dst, ep.pools, runs))
+                try:
+                    parts.append(self.backend.submit(ep.session, src, dst, ep.pools, runs))
+                except ValueError as e:
+                    parts.append(Refused(TransferResult(TransferStatus.FAILED, len(src), 0, 0, 0.0,
+                                                        f"KV transfer refused: {e}")))
+                    break
             else:
                 parts.append(RankWrite(self.tp.call(p_rank, _write_rank, ep.session, src, dst, ep.pools, runs),
                                        len(src)))
@@ -137,6 +144,19 @@ class RankWrite:
 def draft_layers(engine) -> int:
     pool = _draft_kv(engine)
     return pool.num_layers if pool is not None else 0
+
+
+class Refused:
+    """A part refused before it wrote anything, as a TransferHandle."""
+
+    def __init__(self, result: TransferResult):
+        self.result = result
+
+    def poll(self) -> TransferStatus:
+        return TransferStatus.FAILED
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        return self.result
 
 
 class RoomTransfer:

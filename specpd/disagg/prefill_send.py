@@ -131,7 +131,7 @@ class PrefillSender:
         dest = room.destination
         try:
             room.handles.append(self.kv.submit(dest, src, dst))
-        except ValueError as e:  # LayoutMismatch too  # D drops what it got on the TransferFailed that follows
+        except ValueError as e:  # LayoutMismatch, before any write; D drops what it got on the TransferFailed next
             room.error = f"KV transfer refused: {e}"
             return False
         return True

@@ -318,3 +318,32 @@ def test_raw_throughput(make_backend, backend_name):
         best = max(best, result.num_bytes / result.elapsed_s / 1e6)
     assert torch.equal(src, dst)
     print(f"\n[{backend_name}] raw page transfer: {best:.0f} MB/s (64 x 512 KiB, loopback, best of 3)")
+
+
+def test_a_room_fails_only_once_every_ranks_part_ended(make_backend):
+    """kv_sender.RoomTransfer: one part refused (or failed) and another still writing is PENDING, then FAILED
+    with the refusal once the write landed: P answers D only when no write of any rank is in flight."""
+    from specpd.disagg.kv_sender import Refused, RoomTransfer
+    from specpd.disagg.transfer import TransferResult, TransferStatus
+    p_target, _ = _pools(8, torch.float32, seed=3)
+    d_target, _ = _pools(8, torch.float32)
+    sender, receiver = make_backend(), make_backend()
+    sender.register([p_target.storage])
+    layouts = receiver.register([d_target.storage])
+    gate = threading.Event()
+    write = sender._write
+
+    def held_write(*args):
+        gate.wait(10)
+        write(*args)
+
+    sender._write = held_write
+    refused = Refused(TransferResult(TransferStatus.FAILED, 2, 0, 0, 0.0, "KV transfer refused: test"))
+    room = RoomTransfer([sender.submit(receiver.session_id, [0, 1], [2, 3], layouts), refused], 2)
+    assert room.poll() is TransferStatus.PENDING and room.wait(0.05) is None
+    gate.set()
+    result = room.wait(10)
+    assert room.poll() is TransferStatus.FAILED and not result.ok and result.error == "KV transfer refused: test"
+    assert torch.equal(d_target.buffer[[2, 3]], p_target.buffer[[0, 1]])  # the other part's write landed first
+    ok = RoomTransfer([sender.submit(receiver.session_id, [4], [5], layouts)], 1).wait(10)
+    assert ok.ok and ok.num_descriptors == 1 and ok.num_bytes == p_target.bytes_per_page

@@ -75,7 +75,6 @@ class LLMEngine(HandoffHooks):
         self._aborted: list[str] = []
         self._handoffs: dict[str, Request] = {}  # PD prefill: prefilled requests holding their pages
         self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
-        self._settling: list[Request] = []  # finished, their pages held for their draft extends (_finish)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
@@ -173,8 +172,7 @@ class LLMEngine(HandoffHooks):
         self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending_outputs)
-                or bool(self._settling))
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._pending_outputs)
 
     def take_pending_outputs(self) -> list[RequestOutput]:
         """Outputs produced outside step() (a committed PD handoff's y0): a PD worker streams them at once."""
@@ -183,7 +181,6 @@ class LLMEngine(HandoffHooks):
 
     def step(self) -> list[RequestOutput]:
         outputs = self.take_pending_outputs()
-        self._settle_finished()
         outputs += self._process_aborts()
         batch = self.scheduler.schedule()
         if not batch:
@@ -291,25 +288,12 @@ class LLMEngine(HandoffHooks):
         return appended, (lps if p.logprobs is not None else None), reason
 
     def _finish(self, finishing: list[tuple[Request, str]]) -> None:
-        """Finish requests that reached a stop condition. With draft KV in a prefix cache, their pages wait for
-        their deferred draft extends (`_settle_finished`, at the next step's start: their final outputs leave
-        first), so the cache gets draft KV valid over all they committed."""
-        settle = self._draft_kv and self.prefix_cache is not None
+        """Finish requests that reached a stop condition; their deferred draft extends run first, in one
+        batch, so the prefix cache gets draft KV valid over all they committed."""
+        if self._draft_kv and self.prefix_cache is not None:
+            self.spec_runner.settle_draft_kv([req for req, _ in finishing])  # before their pages go to the cache
         for req, reason in finishing:
-            self.scheduler.finish(req, reason, release=not settle)
-            if settle:
-                self._settling.append(req)
-
-    def _settle_finished(self) -> None:
-        """The draft extends of the requests finished last step, in one batch, then their pages go to the cache
-        and their draft state goes: after their final outputs were returned, before anything is scheduled."""
-        if not self._settling:
-            return
-        finished, self._settling = self._settling, []
-        self.spec_runner.settle_draft_kv(finished)
-        for req in finished:
-            self.scheduler.release_finished(req)
-            self.spec_runner.release(req)
+            self.scheduler.finish(req, reason)
 
     def _record_verify(self, req: Request, num_accepted: int) -> None:
         req.spec_verify_count += 1
@@ -331,7 +315,6 @@ class LLMEngine(HandoffHooks):
     def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
         out = self._output(req, new_ids, new_lps, final=True)
         self._detok.pop(req.request_id, None)
-        if not any(r is req for r in self._settling):  # a settling request's draft state goes once it settled
-            (self.spec_runner or self.runner).release(req)
+        (self.spec_runner or self.runner).release(req)
         self.counters["requests_finished"] += 1
         return out

@@ -69,22 +69,15 @@ class Scheduler:
     def find(self, request_id: str) -> Request | None:
         return self._unfinished.get(request_id)
 
-    def finish(self, request: Request, reason: str, release: bool = True) -> None:
-        """`release=False`: the request leaves the queues but keeps its pages until `release_finished` (the
-        engine settles its draft KV first, LLMEngine._settle_finished)."""
+    def finish(self, request: Request, reason: str) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if release:
-            self._release(request)
+        self._release(request)
         self._unfinished.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-
-    def release_finished(self, request: Request) -> None:
-        """The pages of a request `finish(release=False)` kept."""
-        self._release(request)
 
     def _release(self, request: Request) -> None:
         self.release_pages(request)

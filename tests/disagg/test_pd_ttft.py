@@ -189,8 +189,6 @@ def test_y0_leaves_d_before_the_forward_that_decodes_it(dirs, spec):
                         final = out
             assert first == ([final.token_ids[0]], False), (first, final.token_ids)
             assert len(final.token_ids) == params.max_tokens
-            while d.has_unfinished_requests():  # a finished request's draft KV settles at D's next step
-                assert d.step() == []
         assert p.free_pages == d.free_pages == 64
     finally:
         p.close()

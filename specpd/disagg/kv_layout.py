@@ -16,10 +16,9 @@ whole page moves), never per-token slices. A (head, layer) that D expects and P 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from specpd.disagg.messages import KVEndpoint, PoolPlacement
+from specpd.disagg.messages import PoolPlacement
 from specpd.disagg.transfer.base import Run
+
 
 class LayoutMismatch(ValueError):
     """D expects KV that P does not hold (or holds twice): the message names both sides' placements."""
@@ -78,4 +77,4 @@ def describe(side: list[tuple[PoolPlacement, ...]]) -> str:
     return f"TP {len(side)}: " + ", ".join(ranks)
 
 
-__all__ = ["KVEndpoint", "LayoutMismatch", "PoolPlacement", "plan", "pool_placements"]
+__all__ = ["LayoutMismatch", "describe", "plan", "pool_placements"]

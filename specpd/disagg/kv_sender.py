@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from specpd.disagg.kv_layout import KVEndpoint, PoolPlacement, plan, pool_placements
-from specpd.disagg.messages import KVDestination
+from specpd.disagg.kv_layout import plan, pool_placements
+from specpd.disagg.messages import KVDestination, KVEndpoint
 from specpd.disagg.transfer import TransferResult, TransferStatus, create_backend
+
+START_TIMEOUT_S = 60.0  # a worker rank's transfer engine up and its pool registered
 
 
 def _draft_kv(engine):
@@ -27,12 +29,6 @@ def _draft_kv(engine):
     return getattr(proposer, "pool", None)
 
 
-def draft_pool(engine):
-    """The draft's own KV pool (draft-on-both moves it), None when it has none or shares the target's pages."""
-    pool = _draft_kv(engine)
-    return pool if pool is not None and pool.parent is None else None
-
-
 class KVTransfers:
     """This server's endpoints (`endpoints[r]`: rank r's) and, on P, `submit`."""
 
@@ -41,8 +37,8 @@ class KVTransfers:
         self.backend = create_backend(backend, host, advertise_host=advertise_host)
         pools = [runner.kv_pool]
         placements = pool_placements(runner.kv_pool, 0, 0, 0)  # and the draft's layers in its pages
-        draft = draft_pool(engine)
-        if draft is not None and draft_mode == "both":
+        draft = _draft_kv(engine)
+        if draft is not None and draft.parent is None and draft_mode == "both":  # a draft with a pool of its own
             pools.append(draft)
             placements += pool_placements(draft, 1, 0, mc.num_layers)
         layouts = self.backend.register([p.storage for p in pools])
@@ -60,7 +56,7 @@ class KVTransfers:
                 where = pool_placements(runner.kv_pool, 0, rank * heads, 0)  # every shard has rank 0's shape
                 self.endpoints.append(KVEndpoint(rank, session, tuple(rank_layouts), tuple(where)))
         # what moves: the target's layers, and the draft's when P ran the draft extend (draft-on-both)
-        self.layers = range(mc.num_layers + (draft_layers(engine) if draft_mode == "both" else 0))
+        self.layers = range(mc.num_layers + (draft.num_layers if draft is not None and draft_mode == "both" else 0))
         self._plans: dict = {}
 
     def plan(self, dest: KVDestination) -> dict:
@@ -91,9 +87,6 @@ class KVTransfers:
 
     def close(self) -> None:
         self.backend.close()  # the workers' engines close with their processes
-
-
-START_TIMEOUT_S = 60.0
 
 
 def _start_rank(state, done, backend: str, host: str, advertise_host: str) -> None:
@@ -141,11 +134,6 @@ class RankWrite:
         return value
 
 
-def draft_layers(engine) -> int:
-    pool = _draft_kv(engine)
-    return pool.num_layers if pool is not None else 0
-
-
 class Refused:
     """A part refused before it wrote anything, as a TransferHandle."""
 
@@ -187,4 +175,4 @@ class RoomTransfer:
                               sum(r.num_descriptors for r in results))
 
 
-__all__ = ["KVTransfers", "PoolPlacement", "RoomTransfer", "draft_pool"]
+__all__ = ["KVTransfers", "Refused", "RoomTransfer"]

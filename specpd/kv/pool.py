@@ -35,7 +35,6 @@ class KVPool:
         self.dtype = dtype
         self.storage = torch.zeros(num_pages, kv_heads * (num_layers + extra_layers) * 2 * page_size * head_dim,
                                    dtype=dtype, device=device)
-        self.first_layer = 0  # in the page: a `layers_of` view's first layer is its parent's num_layers
         self.buffer = self._view(0, num_layers)
         self.allocator = allocator or PageAllocator(num_pages)
 
@@ -75,7 +74,6 @@ class KVPool:
         view.page_size, view.kv_heads, view.head_dim, view.dtype = (parent.page_size, parent.kv_heads,
                                                                     parent.head_dim, parent.dtype)
         view.storage = parent.storage  # whole pages: the parent's memory
-        view.first_layer = parent.num_layers
         view.buffer = view._view(parent.num_layers, parent.extra_layers)
         view.allocator = parent.allocator
         view.parent = parent

@@ -57,7 +57,9 @@ def make_case(batch: int, ctx: int, q_len: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
     pages_per = (ctx + q_len + PS - 1) // PS
     num_pages = batch * pages_per + 4
-    buf = torch.randn(num_pages, LAYERS, 2, PS, HKV, D, generator=gen).to(dtype)
+    # the pool's page layout (specpd/kv/pool.py): [kv heads, layers, K/V, page positions, head dim] in memory,
+    # read through its logical [pages, layers, K/V, positions, heads, head dim] view
+    buf = torch.randn(num_pages, HKV, LAYERS, 2, PS, D, generator=gen).to(dtype).permute(0, 2, 3, 4, 1, 5)
     table = torch.randperm(num_pages, generator=gen)[:batch * pages_per].view(batch, pages_per).to(torch.int32)
     kv_lens = torch.full((batch,), ctx + q_len, dtype=torch.int32)
     qo = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32)

@@ -4,7 +4,8 @@
 
    Per work item (sequence b, kv head h, a block of up to RB query rows): the block's G = Hq / Hkv query
    heads share every K/V load (GQA). Keys come in chunks of CH positions at absolute offsets 0, CH, 2 CH ...,
-   loaded once per chunk (K transposed to [D][CH] fp32, V [CH][D] fp32) and used by every row of the block;
+   loaded once per chunk (K as fp32 rows, or transposed to [D][CH] for many query vectors: the same scores bit
+   for bit; V [CH][D] fp32) and used by every row of the block;
    each row keeps an online softmax (max m, sum l, acc[D]). A masked key contributes exactly nothing and a
    chunk fully masked for a row is skipped, so a row's result does not depend on which rows share its block:
    a verify row equals the decode step over the same prefix, bit for bit. */
@@ -20,6 +21,7 @@
 #define RB 16
 #define DMAX 256
 #define GMAX 16
+#define ROW_PATH_VECTORS 8  /* a chunk's scores from K rows up to this many query vectors, else transposed K */
 #define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
 
 #include "dtypes.h"
@@ -117,14 +119,37 @@ static inline void load_v(const void* pool, int dt, int64_t off, int64_t DD, __m
   }
 }
 
+/* The 16 horizontal sums of t[0..16) as one vector (lane j: the sum of t[j]'s lanes), in a fixed order: pairs
+   within 128-bit lanes, then the four 128-bit lanes ((L0 + L2) + (L1 + L3)). */
+static inline __m512 hsum16(const __m512 t[16]) {
+  __m512 a[8], b[4];
+  for (int k = 0; k < 8; k++)
+    a[k] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_ps(t[2 * k], t[2 * k + 1]));
+  for (int k = 0; k < 4; k++) {
+    const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
+    b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  /* b[k]'s 128-bit lane L: keys 4k .. 4k + 3 summed over lane L's four elements; sum the lanes */
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
 /* One chunk of CH = 16 keys for the active query vectors act[0..nact) (D a compile-time constant: 64 or 128).
-   NV vectors at a time: each row of KT (the chunk's keys, transposed) loaded once for all of them, NV
-   independent FMA chains; NV online-softmax updates; then P.V with each key's V row loaded once for all NV
-   vectors and their accumulators in registers. A vector's arithmetic is the same whatever shares its group
-   (and whatever NV is), so a row's result does not depend on the rows beside it. `full`: every key of the
-   chunk is visible to every row (vis would add 0, keep multiply by 1: skipped, the same result). */
+   NV vectors at a time. Scores, one of two ways with the same result bit for bit (the queries' dims and K's in
+   load_v's order): `KR` (a block of few vectors: a decode row's G): per vector, each key's row (DD / 16 fp32
+   vectors) multiplied into one vector, the 16 of them summed horizontally (hsum16), with no transpose of K
+   (transposing was a third of a decode chunk's instructions, and its scores one 64-deep FMA chain per vector);
+   else `KT` (the keys transposed once for many vectors: a verify block, a prefill chunk): per vector, 16 lane
+   partials (lane j: key j; partial i lane j is the K-row path's t[j] lane i, the same operations) summed in
+   hsum16's order. Then NV online-softmax updates; then P.V
+   with each key's V row loaded once for all NV vectors and their accumulators in registers. A vector's arithmetic
+   is the same whatever shares its group (and whatever NV is), so a row's result does not depend on the rows
+   beside it. `full`: every key of the chunk is visible to every row (vis would add 0, keep multiply by 1:
+   skipped, the same result). */
 #define CHUNK_KERNEL(NAME, DD, NVV)                                                                            \
-static void NAME(const float (*Q)[DD], const float (*KT)[CH], const void* pool, int dt, const int64_t* voff,     \
+static void NAME(const float (*Q)[DD], const float (*KR)[DD], const float (*KT)[CH], const void* pool, int dt,    \
+                 const int64_t* voff,                                                                            \
                  const float (*vis)[CH], const float (*keep)[CH], int full, const int64_t* act, int64_t nact,      \
                  int64_t n, int64_t G, float* m, float* l, float (*acc)[DD]) {                                   \
   for (int64_t k0 = 0; k0 < nact; k0 += NVV) {                                                                  \
@@ -132,10 +157,36 @@ static void NAME(const float (*Q)[DD], const float (*KT)[CH], const void* pool, 
     int64_t vv[NVV];                                                                                            \
     for (int u = 0; u < NVV; u++) vv[u] = act[k0 + (u < nv ? u : 0)];                                           \
     __m512 sc[NVV];                                                                                             \
-    for (int u = 0; u < NVV; u++) sc[u] = _mm512_setzero_ps();                                                   \
-    for (int d = 0; d < DD; d++) {                                                                              \
-      const __m512 kt = _mm512_loadu_ps(KT[d]);                                                                 \
-      for (int u = 0; u < NVV; u++) sc[u] = _mm512_fmadd_ps(_mm512_set1_ps(Q[vv[u]][d]), kt, sc[u]);             \
+    if (KR) {                                                                                                   \
+      for (int u = 0; u < NVV; u++) {                                                                           \
+        __m512 qz[DD / 16], t[CH];                                                                              \
+        for (int b = 0; b < DD / 16; b++) qz[b] = _mm512_load_ps(Q[vv[u]] + 16 * b);                            \
+        for (int j = 0; j < CH; j++) {                                                                          \
+          __m512 x = _mm512_mul_ps(qz[0], _mm512_load_ps(KR[j]));                                               \
+          for (int b = 1; b < DD / 16; b++) x = _mm512_fmadd_ps(qz[b], _mm512_load_ps(KR[j] + 16 * b), x);      \
+          t[j] = x;                                                                                             \
+        }                                                                                                       \
+        sc[u] = hsum16(t);                                                                                      \
+      }                                                                                                         \
+    } else { /* hsum16's order, four partials at a time, each KT row loaded once for the NV vectors */          \
+      __m512 S[NVV][4];                                                                                         \
+      for (int L = 0; L < 4; L++) {                                                                             \
+        __m512 x[NVV][4];                                                                                       \
+        for (int ii = 0; ii < 4; ii++) {                                                                        \
+          const int i = 4 * L + ii;                                                                             \
+          const __m512 k0 = _mm512_load_ps(KT[i]);                                                              \
+          for (int u = 0; u < NVV; u++) x[u][ii] = _mm512_mul_ps(_mm512_set1_ps(Q[vv[u]][i]), k0);              \
+          for (int b = 1; b < DD / 16; b++) {                                                                   \
+            const __m512 kb = _mm512_load_ps(KT[16 * b + i]);                                                   \
+            for (int u = 0; u < NVV; u++)                                                                       \
+              x[u][ii] = _mm512_fmadd_ps(_mm512_set1_ps(Q[vv[u]][16 * b + i]), kb, x[u][ii]);                   \
+          }                                                                                                     \
+        }                                                                                                       \
+        for (int u = 0; u < NVV; u++)                                                                           \
+          S[u][L] = _mm512_add_ps(_mm512_add_ps(x[u][0], x[u][2]), _mm512_add_ps(x[u][1], x[u][3]));            \
+      }                                                                                                         \
+      for (int u = 0; u < NVV; u++)                                                                             \
+        sc[u] = _mm512_add_ps(_mm512_add_ps(S[u][0], S[u][2]), _mm512_add_ps(S[u][1], S[u][3]));                \
     }                                                                                                           \
     float pr[NVV][CH] __attribute__((aligned(64)));                                                             \
     float alpha[NVV];                                                                                           \
@@ -220,8 +271,14 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
   float* l = k->l;
   int64_t voff[CH];  /* the fast path's V rows, read in place */
 #if defined(__AVX512F__) && CH == 16
-  if (k->fast) {  /* keys transposed in registers, 16 x 16 blocks; V is read in place by the chunk kernel */
-    if (a->dt == 1) {  /* bf16: 32 dims per load, even and odd dims into their own KT rows */
+  if (k->fast) {  /* K as rows or transposed (CHUNK_KERNEL), dims in load_v's order; V read in place */
+    const float (*KR)[D] = 0;
+    if (nact <= ROW_PATH_VECTORS) {
+      float (*rows)[D] = (float (*)[D])k->KT;  /* [CH][D], in the transposed path's buffer */
+      for (int64_t j = 0; j < n; j++) load_v(a->pool, a->dt, offs[j] + a->k_off, D, (__m512*)rows[j]);
+      for (int64_t j = n; j < CH; j++) memset(rows[j], 0, D * sizeof(float));  /* masked lanes: finite scores */
+      KR = (const float (*)[D])rows;
+    } else if (a->dt == 1) {  /* bf16: 32 dims per load; even dims to KT rows d0 .. d0 + 15, odd to the next 16 */
       for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int odd = 0; odd < 2; odd++) {
           __m512 r[16];
@@ -230,7 +287,7 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
             r[j] = j >= n ? _mm512_setzero_ps() : odd ? bf16_odd16(p) : bf16_even16(p);
           }
           transpose16(r);
-          for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 2 * d + odd], r[d]);
+          for (int64_t d = 0; d < 16; d++) _mm512_storeu_ps(KT[d0 + 16 * odd + d], r[d]);
         }
       }
     } else {
@@ -242,9 +299,9 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
       }
     }
     for (int64_t j = 0; j < n; j++) voff[j] = offs[j] + a->v_off;
-    if (D == 128) chunk_avx512_d128(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
-    else if (nact % 3 == 0 && nact % 4 != 0) chunk_avx512_d64_nv3(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
-    else chunk_avx512_d64(Q, KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    if (D == 128) chunk_avx512_d128(Q, (const float (*)[128])KR, (const float (*)[CH])KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    else if (nact % 3 == 0 && nact % 4 != 0) chunk_avx512_d64_nv3(Q, (const float (*)[64])KR, (const float (*)[CH])KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
+    else chunk_avx512_d64(Q, (const float (*)[64])KR, (const float (*)[CH])KT, a->pool, a->dt, voff, vis, keep, full, act, nact, n, G, m, l, acc);
     return;
   }
 #endif
@@ -318,6 +375,12 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
       load(a->q, a->dt, t * a->q_stride + (h * G + g) * D, D, x);
       if (a->cos_t) rope(x, a->cos_t + a->q_pos[t] * D, a->sin_t + a->q_pos[t] * D, D);
       for (int64_t d = 0; d < D; d++) { x[d] *= a->scale; acc[i * G + g][d] = 0.0f; }
+      if (k.permuted) {  /* the dims in load_v's bf16 order (32h + 2i, then 32h + 2i + 1), as the K rows come */
+        float t[DMAX];
+        memcpy(t, x, D * sizeof(float));
+        for (int64_t h0 = 0; h0 < D; h0 += 32)
+          for (int64_t i2 = 0; i2 < 16; i2++) { x[h0 + i2] = t[h0 + 2 * i2]; x[h0 + 16 + i2] = t[h0 + 2 * i2 + 1]; }
+      }
       m[i * G + g] = -INFINITY; l[i * G + g] = 0.0f;
     }
     int64_t end = tree ? kv_len : prefix + row + 1;
@@ -333,14 +396,17 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     const int64_t n2 = (shared - c - CH < CH) ? shared - c - CH : CH;  /* the next chunk's positions */
     if (n2 > 0) {
       /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
-         rows now, while this chunk computes (a hint only; it changes no result) */
+         rows now, while this chunk computes (a hint only; it changes no result). Into L2 (prefetcht2): into L1
+         (prefetcht0) a chunk's 64 lines outran the core's L1 miss buffers and the kernel waited on its K loads
+         (a b32 decode step's attention over 350 positions: 31 ms, 25 ms with this hint; further ahead than one
+         chunk read no faster) */
       chunk_slots(a, b, h, c + CH, n2, next);
       const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
       const char* pool = (const char*)a->pool;
       for (int64_t j = 0; j < n2; j++)
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          __builtin_prefetch(pool + (next[j] + a->k_off) * esize + byte, 0, 3);
-          __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 3);
+          __builtin_prefetch(pool + (next[j] + a->k_off) * esize + byte, 0, 1);
+          __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 1);
         }
     }
     /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the

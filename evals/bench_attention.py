@@ -7,7 +7,7 @@ are shuffled, at the shapes a server meets: decode at batch 1, 8, 32 with 300-80
 `--against REV`'s csrc/cpu_attention.c (compiled here with the same flags), in rotated order, rep by rep; the
 outputs are compared bit for bit.
 
-    .venv/bin/python evals/bench_attention.py --against f4040d1~1     → evals/results/attention.json
+    .venv/bin/python evals/bench_attention.py --against a3fe0bd     → evals/results/attention.json
 
 Prefill chunks (512 rows after 512 or 1536 tokens) also time torch's SDPA on the same K/V gathered once (its
 CPU flash attention, bf16 GEMMs): what a GEMM-based prefill path would cost, not what the engine runs.

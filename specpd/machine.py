@@ -38,6 +38,29 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+
+
+def advise_huge_pages(address: int, nbytes: int) -> int:
+    """Ask Linux for transparent huge pages under [address, address + nbytes) (madvise MADV_HUGEPAGE over its
+    2 MiB-aligned interior; where THP is `madvise`, the default on Debian, nothing gets them otherwise). Call it
+    before the memory is first touched. Returns the bytes advised: 0 where the OS cannot (not Linux, THP off).
+    The KV pool takes it: attention reads each sequence's K/V in 4 KB blocks at scattered pages, one TLB miss
+    each on 4 KB pages (a b32 decode step's attention over 350 positions: 22 ms, 18.7 ms on huge pages)."""
+    start = (address + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    end = (address + nbytes) & ~(HUGE_PAGE - 1)
+    if end <= start or not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        return 0
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return end - start if madvise(start, end - start, 14) == 0 else 0  # 14: MADV_HUGEPAGE
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo), empty where it cannot be read."""

@@ -1,7 +1,7 @@
 """specpd.machine: the cores a cluster's children share, and the defaults the machine implies."""
 import pytest
 
-from specpd.machine import default_dtype, default_threads, isa, split_cores, usable_cores
+from specpd.machine import HUGE_PAGE, advise_huge_pages, default_dtype, default_threads, isa, split_cores, usable_cores
 
 
 @pytest.mark.parametrize("cores,p,d,want", [
@@ -34,3 +34,47 @@ def test_default_threads_follow_omp_num_threads_where_it_is_a_positive_number(mo
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", env)
     assert default_threads() == (want or usable_cores())
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_huge_pages_are_asked_for_over_the_aligned_interior_only():
+    assert advise_huge_pages(HUGE_PAGE + 1, HUGE_PAGE) == 0  # no whole 2 MiB page inside: nothing to ask
+    if _thp_mode() in (None, "never"):
+        pytest.skip("transparent huge pages are off here")
+    import torch
+    t = torch.empty(5 * HUGE_PAGE, dtype=torch.uint8)
+    got = advise_huge_pages(t.data_ptr(), t.numel())
+    assert got % HUGE_PAGE == 0 and 4 * HUGE_PAGE <= got <= 5 * HUGE_PAGE
+    t.fill_(7)  # the memory stays ordinary memory
+    assert int(t.sum()) == 7 * t.numel()
+
+
+def test_the_kv_pool_starts_zeroed_on_huge_pages():
+    import torch
+    from specpd.kv.pool import KVPool
+    pool = KVPool(64, 30, 16, 3, 64, torch.bfloat16)
+    assert pool.storage.count_nonzero() == 0
+    if _thp_mode() in ("madvise", "always"):
+        aligned = (pool.storage.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)  # madvise split the mapping there
+        assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE, "the pool's 22 MiB got no huge page"
+
+
+def _huge_kb_at(address: int) -> int:
+    """AnonHugePages (kB) of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0

@@ -16,6 +16,7 @@ import torch
 
 from specpd.config import ModelConfig
 from specpd.kv.allocator import PageAllocator
+from specpd.machine import advise_huge_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +34,13 @@ class KVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.storage = torch.zeros(num_pages, kv_heads * (num_layers + extra_layers) * 2 * page_size * head_dim,
-                                   dtype=dtype, device=device)
+        shape = (num_pages, kv_heads * (num_layers + extra_layers) * 2 * page_size * head_dim)
+        if torch.device(device).type == "cpu":  # huge pages under it before it is touched (advise_huge_pages)
+            self.storage = torch.empty(shape, dtype=dtype)
+            advise_huge_pages(self.storage.data_ptr(), self.storage.numel() * self.storage.element_size())
+            self.storage.zero_()
+        else:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.buffer = self._view(0, num_layers)
         self.allocator = allocator or PageAllocator(num_pages)
 

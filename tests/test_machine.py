@@ -1,7 +1,7 @@
 """specpd.machine: the cores a cluster's children share, and the defaults the machine implies."""
 import pytest
 
-from specpd.machine import HUGE_PAGE, advise_huge_pages, default_dtype, default_threads, isa, split_cores, usable_cores
+from specpd.machine import HUGE_PAGE, advise_huge_pages, collapse_huge_pages, default_dtype, default_threads, isa, split_cores, usable_cores
 
 
 @pytest.mark.parametrize("cores,p,d,want", [
@@ -78,3 +78,30 @@ def _huge_kb_at(address: int) -> int:
             elif inside and line.startswith("AnonHugePages:"):
                 return int(line.split()[1])
     return 0
+
+
+def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
+    import torch
+    from torch import nn
+    from specpd.kernels.cpu_linear import weights_on_huge_pages
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 2048))  # 12 MiB of fp32, written by init
+    before = [p.clone() for p in model.parameters()]
+    import os
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if release < (6, 1) or _thp_mode() in (None, "never"):
+        pytest.skip("no MADV_COLLAPSE here (Linux < 6.1, or THP off)")
+    got = weights_on_huge_pages(model)
+    if got == 0:  # the kernel may have no free huge page to give right now (a busy box): that, and nothing else
+        import ctypes
+        import errno
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        aligned = (model[1].weight.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        if madvise(aligned, HUGE_PAGE, 25) != 0 and ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
+            pytest.skip("no free huge page to collapse into now")
+    assert got % HUGE_PAGE == 0 and got >= 2 * HUGE_PAGE
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    big = model[1].weight
+    aligned = (big.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE
+    assert collapse_huge_pages([(HUGE_PAGE + 1, 2 * HUGE_PAGE)]) == 0  # no whole huge page inside

@@ -24,7 +24,7 @@ from specpd.draft.base import DraftModel
 from specpd.draft.eagle3_stack import Eagle3Stack
 from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.grammar.matcher import mask_after
-from specpd.kernels.cpu_linear import pack_linears
+from specpd.kernels.cpu_linear import pack_linears, weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import OutputRows
 from specpd.verify.tree import DraftTree, TreeBuilder, root_only
@@ -44,6 +44,7 @@ class EagleProposer(Proposer):
         if self.device.type == "cpu":
             pack_linears(draft)  # serving only: prepacked for oneDNN, as the target's (no autograd after this)
             draft.cpu_stack = Eagle3Stack.build(draft)  # EAGLE-3's forward in one C call where it applies
+            weights_on_huge_pages(draft)
         self._draft_ids: torch.Tensor | None = None  # [draft vocab] target ids (d2t), built when a grammar needs it
 
     @property

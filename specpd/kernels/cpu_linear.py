@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
+from specpd.machine import collapse_huge_pages
 
 _KERNELS = {torch.bfloat16: cpu_gemm_bf16, torch.float32: cpu_gemm_f32}  # the project's GEMM per weight dtype
 PACK_ROWS_HINT = 16  # oneDNN picks the blocked layout for this many rows (bf16 rows 1..32 one kernel with it)
@@ -127,6 +128,23 @@ def pack_linears(module: nn.Module) -> int:
                 setattr(parent, name, PackedLinear.from_linear(child))
                 n += 1
     return n
+
+
+def weights_on_huge_pages(module: nn.Module) -> int:
+    """Move the memory under `module`'s CPU tensors (parameters, buffers, prepacked weights) onto transparent huge
+    pages (specpd.machine.collapse_huge_pages), once they are final. Every step streams them whole, and on 4 KB
+    pages that is a TLB miss per 4 KB: a b1 decode step took 2-8% longer (profile_step, 6 interleaved pairs on
+    the EPYC). Returns the bytes collapsed (0 where the kernel has no MADV_COLLAPSE)."""
+    spans, seen = [], set()
+    for m in module.modules():
+        tensors = [*m._parameters.values(), *m._buffers.values(),
+                   *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            if t is None or t.device.type != "cpu" or t.numel() == 0 or t.is_mkldnn or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    return collapse_huge_pages(spans)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from specpd.attention.base import get_backend_class
 from specpd.config import EngineConfig, ModelConfig
+from specpd.kernels.cpu_linear import weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.quant import quantize_model
@@ -31,6 +32,8 @@ def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict
         model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)
     # RoPE tables are not in the checkpoint; build them after the dtype cast so they stay fp32
     model.rotary = Rotary(model_config, max_model_len).to(device)
+    if device.type == "cpu":
+        weights_on_huge_pages(model)
     cache = config.cache
     pool = KVPool.for_model(model_config, cache.page_size, dtype, device, memory_mb=cache.kv_cache_memory_mb,
                             num_pages=cache.num_pages, extra_layers=kv_extra_layers)

@@ -142,11 +142,10 @@ static inline __m512 hsum16(const __m512 t[16]) {
    (transposing was a third of a decode chunk's instructions, and its scores one 64-deep FMA chain per vector);
    else `KT` (the keys transposed once for many vectors: a verify block, a prefill chunk): per vector, 16 lane
    partials (lane j: key j; partial i lane j is the K-row path's t[j] lane i, the same operations) summed in
-   hsum16's order. Then NV online-softmax updates; then P.V
-   with each key's V row loaded once for all NV vectors and their accumulators in registers. A vector's arithmetic
-   is the same whatever shares its group (and whatever NV is), so a row's result does not depend on the rows
-   beside it. `full`: every key of the chunk is visible to every row (vis would add 0, keep multiply by 1:
-   skipped, the same result). */
+   hsum16's order. Then NV online-softmax updates; then P.V with each key's V row loaded once for all NV vectors
+   and their accumulators in registers. A vector's arithmetic is the same whatever shares its group (and whatever
+   NV is), so a row's result does not depend on the rows beside it. `full`: every key of the chunk is visible to
+   every row (vis would add 0, keep multiply by 1: skipped, the same result). */
 #define CHUNK_KERNEL(NAME, DD, NVV)                                                                            \
 static void NAME(const float (*Q)[DD], const float (*KR)[DD], const float (*KT)[CH], const void* pool, int dt,    \
                  const int64_t* voff,                                                                            \

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="draft head over the V most frequent target tokens (default: the full vocab)")
     p.add_argument("--num-draft-layers", type=int, default=1, help="EAGLE-1 layers / MTP modules (default: 1)")
+    p.add_argument("--init-draft", default=None,
+                   help="start from this trained draft (a directory, or 'default': the shipped head) and keep "
+                        "its draft vocab, instead of a fresh draft")
     p.add_argument("--self-distill", action="store_true", help="regenerate assistant turns with the target")
     p.add_argument("--distill-temperature", type=float, default=0.0, help="(default: 0, greedy)")
     p.add_argument("--distill-max-new-tokens", type=int, default=512, help="(default: 512)")
@@ -74,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
 
     from specpd.config import CacheConfig, EngineConfig, ModelConfig
     from specpd.draft.eagle3 import resolve_aux_layer_ids
+    from specpd.draft.loader import read_draft_config, resolve_draft_path
     from specpd.model.loader import load_checkpoint
     from specpd.model.runner import ModelRunner
     from specpd.train.data import training_conversations, training_records
-    from specpd.train.draft_init import new_draft, select_draft_vocab
+    from specpd.train.draft_init import init_draft, new_draft, select_draft_vocab
     from specpd.train.features import extract_features, open_cache, target_runner
     from specpd.train.objective import DraftObjective
     from specpd.train.trainer import CHECKPOINT, TrainConfig, Trainer
@@ -97,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = load_checkpoint(args.target)
     target_config = ModelConfig.from_hf(checkpoint.hf_config)
     max_len = min(args.max_seq_len, target_config.max_position_embeddings)
-    aux = resolve_aux_layer_ids({}, target_config.num_layers) if args.algorithm == "eagle3" else ()
+    init_json = read_draft_config(resolve_draft_path(args.init_draft, args.algorithm)) if args.init_draft else {}
+    aux = resolve_aux_layer_ids(init_json, target_config.num_layers) if args.algorithm == "eagle3" else ()
     distill = ({"temperature": args.distill_temperature, "max_new_tokens": args.distill_max_new_tokens,
                 "seed": args.seed} if args.self_distill else None)
     feature_spec = {"target": os.path.abspath(checkpoint.name), "dataset": args.dataset,
@@ -131,11 +136,15 @@ def run(args: argparse.Namespace) -> int:
     target = ModelRunner(EngineConfig(model=args.target, dtype="float32", cache=CacheConfig(num_pages=1)), checkpoint,
                          max_len, pack=False).model
     target.requires_grad_(False)
-    hot = (select_draft_vocab(cache.token_counts(target_config.vocab_size), args.draft_vocab_size)
-           if args.draft_vocab_size else None)
-    overrides = {"eagle_aux_hidden_state_layer_ids": list(aux)} if aux else {}
-    draft = new_draft(args.algorithm, target, target_config, hot, args.num_draft_layers, args.seed,
-                      max_positions=max_len + family["ttt_steps"], **overrides)
+    max_positions = max_len + family["ttt_steps"]
+    if args.init_draft:
+        draft, hot = init_draft(args.init_draft, args.algorithm, target, target_config, max_positions)
+    else:
+        hot = (select_draft_vocab(cache.token_counts(target_config.vocab_size), args.draft_vocab_size)
+               if args.draft_vocab_size else None)
+        overrides = {"eagle_aux_hidden_state_layer_ids": list(aux)} if aux else {}
+        draft = new_draft(args.algorithm, target, target_config, hot, args.num_draft_layers, args.seed,
+                          max_positions=max_positions, **overrides)
     head_rows = target.lm_head_weight if hot is None else target.lm_head_weight[hot]
 
     # 5-6: objective and training
@@ -144,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(lr=args.lr, batch_tokens=args.batch_tokens, epochs=args.epochs, max_steps=args.max_steps,
                          checkpoint_every=args.checkpoint_every, seed=args.seed, progress=not args.no_progress)
     run_spec = {"algorithm": args.algorithm, "features": feature_spec, "draft_vocab_size": args.draft_vocab_size,
+                "init_draft": args.init_draft,
                 "num_draft_layers": args.num_draft_layers, "train_dtype": args.train_dtype, **family}
     trainer = Trainer(draft, objective, cache, out, config, run_spec, hot)
     if args.resume and trainer.resume():

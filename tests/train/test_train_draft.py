@@ -253,6 +253,24 @@ def test_train_draft_end_to_end(setup, reference, tmp_path, algorithm, vocab):
     assert all(o.spec_verify_count > 0 for o in outs)
 
 
+def test_init_draft_goes_on_from_a_trained_head_and_keeps_its_vocab(setup, tmp_path):
+    path, data, _, _, _ = setup
+    common = ["--target", path, "--algorithm", "eagle3", "--dataset", data, "--max-train-tokens", "900",
+              "--batch-tokens", "256", "--seed", "1", "--feature-dir", str(tmp_path / "features")]
+    first, again, still = (str(tmp_path / n) for n in ("first", "again", "still"))
+    assert run_cli(*common, "--out", first, "--draft-vocab-size", "150", "--lr", "1e-3", "--max-steps", "2") == 0
+    # no --draft-vocab-size: the init head's vocab; at lr 0 the weights come back as they went in
+    assert run_cli(*common, "--out", still, "--init-draft", first, "--lr", "0", "--max-steps", "1") == 0
+    assert run_cli(*common, "--out", again, "--init-draft", first, "--lr", "1e-3", "--max-steps", "1") == 0
+    w_first, w_still, w_again = (load_file(os.path.join(d, "model.safetensors")) for d in (first, still, again))
+    assert w_first.keys() == w_still.keys() == w_again.keys()
+    assert all(torch.equal(w_first[k], w_still[k]) for k in w_first)
+    assert torch.equal(w_first["d2t"], w_again["d2t"]) and torch.equal(w_first["t2d"], w_again["t2d"])
+    assert not torch.equal(w_first["fc.weight"], w_again["fc.weight"])
+    with open(os.path.join(again, "args.json"), encoding="utf-8") as f:
+        assert json.load(f)["init_draft"] == first
+
+
 def test_self_distill_rewrites_assistant_turns_and_resumes(setup, tmp_path):
     path, _, records, checkpoint, _ = setup
     tok = checkpoint.tokenizer

@@ -160,6 +160,23 @@ def profile_step(d: dict) -> str:
                    "its GEMMs ms", "its attention ms"], rows)
 
 
+def profile_spec_round(d: dict) -> str:
+    rows = [[name, _f(e["tok_s_over_plain"], 3, "×"),
+             _f(e["per_prompt_median"], 3, "×") + _spread(e["per_prompt_10_90"], 3), _f(e["ms_per_token"], 2),
+             _f(e["tokens_per_round"], 2)] for name, e in d["engines"].items()]
+    r = d["round"]
+    p, f = r["plain_step_ms"], r["fixed_round_ms"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {_f(v, 2)}" for k, v in f.items() if k != "round")
+    fwd = ", ".join(f"{k} {_f(v['forward_ms'], 1)} ms ({_f(v['over_1_row'], 2, '×')})"
+                    for k, v in d["forward_by_rows"].items())
+    return (_table(["engine (b1, held-out chat)", "tok/s over plain", "per prompt, median (10–90%)", "ms per token",
+                    "tokens per round"], rows)
+            + f"\n\nA plain step {_f(p['step'], 2)} ms (model {_f(p['model_forward'], 2)}, LM head and sampling "
+            f"{_f(p['lm_head_and_sampling'], 2)}); a full-tree round {_f(f['round'], 2)} ms = "
+            f"{_f(r['round_over_plain_step'], 2, '×')} a step ({parts}); ceiling at its tokens per round "
+            f"{_f(r['ceiling_tok_s_over_plain'], 2, '×')}. The target's forward by query rows: {fwd}.")
+
+
 def profile_depth0(d: dict) -> str:
     rows = []
     for name, c in d["configs"].items():

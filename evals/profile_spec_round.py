@@ -29,35 +29,22 @@ sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 import torch  # noqa: E402
 
 from common import held_out_sharegpt_prompts, log, machine_info, percentile, versions, write_json  # noqa: E402
+from spec_profile import Timers  # noqa: E402
 from specpd.attention.metadata import AttentionMetadata  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.verify.tree import DraftTree  # noqa: E402
 
 CTX = 300
 TREES = {"1 row": [-1], "2 rows, chain": [-1, 0], "5 rows, chain": [-1, 0, 1, 2, 3],
          "5 rows, tree K=4": [-1, 0, 0, 0, 0], "8 rows, tree": [-1, 0, 0, 0, 1, 1, 2, 4]}
 
 
-class Timers:
-    def __init__(self):
-        self.total, self.calls = defaultdict(float), defaultdict(int)
-
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total[name] += time.perf_counter() - t0
-                self.calls[name] += 1
-        setattr(owner, attr, timed)
-
-    def per_call_ms(self, name: str, per: str) -> float:
-        return 1000 * self.total[name] / max(self.calls[per], 1)
+def per_call_ms(timers: Timers, name: str, per: str) -> float:
+    """Milliseconds in `name` per call of `per` (a step, a round)."""
+    return 1000 * timers.total[name] / max(timers.calls[per], 1)
 
 
 def engines(ckpt) -> dict[str, LLMEngine]:
@@ -70,6 +57,7 @@ def engines(ckpt) -> dict[str, LLMEngine]:
 
 def instrument(eng: dict[str, LLMEngine]) -> Timers:
     timers = Timers()
+    timers.enabled = True
     plain, fixed = eng["plain"], eng["fixed"]
     timers.wrap(plain, "step", "plain.step")
     timers.wrap(plain.runner.model, "forward", "plain.model")
@@ -119,7 +107,8 @@ def run_engines(eng: dict[str, LLMEngine], prompts: list[list[int]], max_tokens:
 
 
 def round_breakdown(timers: Timers, tokens_per_round: float) -> dict:
-    ms = timers.per_call_ms
+    def ms(name, per):
+        return per_call_ms(timers, name, per)
     plain = {"step": ms("plain.step", "plain.step"), "model_forward": ms("plain.model", "plain.step"),
              "lm_head_and_sampling": ms("plain.head_and_sampling", "plain.step")}
     plain["rest"] = plain["step"] - plain["model_forward"] - plain["lm_head_and_sampling"]
@@ -135,17 +124,6 @@ def round_breakdown(timers: Timers, tokens_per_round: float) -> dict:
             "ceiling_tok_s_over_plain": round(tokens_per_round * plain["step"] / parts["round"], 3)}
 
 
-def tree_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        mask[i, i] = True
-        while p >= 0:
-            mask[i, p] = True
-            p = parents[p]
-    return mask
-
-
 @torch.inference_mode()
 def forward_by_rows(reps: int) -> dict:
     """The target's forward alone (no LM head, metadata included) per query-row shape, the shapes in turn."""
@@ -159,12 +137,12 @@ def forward_by_rows(reps: int) -> dict:
         depth = []
         for p in parents:
             depth.append(0 if p < 0 else depth[p] + 1)
-        ids = torch.randint(100, 40000, (n,))
-        pos = torch.tensor([CTX + d for d in depth])
+        tree = DraftTree(torch.randint(100, 40000, (n,)), torch.tensor(parents), torch.tensor(depth), torch.zeros(n))
         t0 = time.perf_counter()
-        meta = AttentionMetadata.build([n], [CTX + n], pages, 16, tree_masks=None if chain else [tree_mask(parents)])
+        masks = None if chain else [tree.attention_mask()]
+        meta = AttentionMetadata.build([n], [CTX + n], pages, 16, tree_masks=masks)
         runner.backend.plan(meta)
-        model(ids, pos, runner.backend, meta)
+        model(tree.tokens, tree.positions(CTX), runner.backend, meta)
         return time.perf_counter() - t0
 
     for parents in TREES.values():

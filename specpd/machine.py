@@ -39,6 +39,7 @@ def usable_cores() -> int:
 
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <linux/mman.h>; MADV_COLLAPSE since Linux 6.1
 
 
 def advise_huge_pages(address: int, nbytes: int) -> int:
@@ -50,7 +51,7 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         return 0
     start, length = _interior(address, nbytes)
-    return length if _madvise(start, length, 14) == 0 else 0  # 14: MADV_HUGEPAGE
+    return length if _madvise(start, length, MADV_HUGEPAGE) == 0 else 0
 
 
 def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
@@ -66,7 +67,7 @@ def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
     done = 0
     for start, end in merged:
         length = advise_huge_pages(start, end - start)
-        if length and _madvise(_interior(start, end - start)[0], length, 25) == 0:  # 25: MADV_COLLAPSE
+        if length and _madvise(_interior(start, end - start)[0], length, MADV_COLLAPSE) == 0:
             done += length
     return done
 

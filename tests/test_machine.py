@@ -1,7 +1,8 @@
 """specpd.machine: the cores a cluster's children share, and the defaults the machine implies."""
 import pytest
 
-from specpd.machine import HUGE_PAGE, advise_huge_pages, collapse_huge_pages, default_dtype, default_threads, isa, split_cores, usable_cores
+from specpd.machine import (HUGE_PAGE, MADV_COLLAPSE, _interior, _madvise, advise_huge_pages, collapse_huge_pages,
+                            default_dtype, default_threads, isa, split_cores, usable_cores)
 
 
 @pytest.mark.parametrize("cores,p,d,want", [
@@ -62,7 +63,7 @@ def test_the_kv_pool_starts_zeroed_on_huge_pages():
     pool = KVPool(64, 30, 16, 3, 64, torch.bfloat16)
     assert pool.storage.count_nonzero() == 0
     if _thp_mode() in ("madvise", "always"):
-        aligned = (pool.storage.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)  # madvise split the mapping there
+        aligned = _interior(pool.storage.data_ptr(), 2 * HUGE_PAGE)[0]  # madvise split the mapping there
         assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE, "the pool's 22 MiB got no huge page"
 
 
@@ -94,14 +95,10 @@ def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
     if got == 0:  # the kernel may have no free huge page to give right now (a busy box): that, and nothing else
         import ctypes
         import errno
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        aligned = (model[1].weight.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-        if madvise(aligned, HUGE_PAGE, 25) != 0 and ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
+        aligned = _interior(model[1].weight.data_ptr(), HUGE_PAGE * 2)[0]
+        if _madvise(aligned, HUGE_PAGE, MADV_COLLAPSE) != 0 and ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
             pytest.skip("no free huge page to collapse into now")
     assert got % HUGE_PAGE == 0 and got >= 2 * HUGE_PAGE
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    big = model[1].weight
-    aligned = (big.data_ptr() + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
-    assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE
+    assert _huge_kb_at(_interior(model[1].weight.data_ptr(), 2 * HUGE_PAGE)[0]) * 1024 >= HUGE_PAGE
     assert collapse_huge_pages([(HUGE_PAGE + 1, 2 * HUGE_PAGE)]) == 0  # no whole huge page inside

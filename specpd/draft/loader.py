@@ -124,10 +124,12 @@ def read_draft_checkpoint(path: str) -> tuple[dict[str, Any], dict[str, torch.Te
 
 
 def load_draft_model(path_or_dir: str, algorithm: str, target: "CausalLM", target_config: ModelConfig,
-                     dtype: torch.dtype = torch.float32, hot_token_ids: torch.Tensor | None = None) -> DraftModel:
+                     dtype: torch.dtype = torch.float32, hot_token_ids: torch.Tensor | None = None,
+                     max_positions: int | None = None) -> DraftModel:
     """Build the draft for `target`, load its published checkpoint, bind the target's shared weights.
 
-    hot_token_ids (target ids) restricts the draft head to those rows (DraftModel.restrict_vocab).
+    hot_token_ids (target ids) restricts the draft head to those rows (DraftModel.restrict_vocab);
+    max_positions: its rotary table's length (default: the target's).
     """
     path_or_dir = resolve_draft_path(path_or_dir, algorithm)
     config, weights = read_draft_checkpoint(path_or_dir)
@@ -135,7 +137,7 @@ def load_draft_model(path_or_dir: str, algorithm: str, target: "CausalLM", targe
     if vocab != target_config.vocab_size:
         raise ValueError(f"draft {path_or_dir!r} has vocab_size {vocab}, target has {target_config.vocab_size}")
     device = target.embed_tokens.weight.device
-    max_positions = target.rotary.cos.shape[0]
+    max_positions = max_positions or target.rotary.cos.shape[0]
     model = draft_class(algorithm).from_published(config, set(weights), target_config, max_positions)
     model.to(device=device, dtype=dtype)
     model.load_published(weights, source=f"checkpoint {path_or_dir!r}")

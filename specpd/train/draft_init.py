@@ -20,7 +20,7 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, hf_config_fields
-from specpd.draft.loader import draft_class, read_draft_checkpoint, resolve_draft_path
+from specpd.draft.loader import draft_class, load_draft_model
 from specpd.model.llama import RMSNorm
 
 
@@ -86,15 +86,7 @@ def init_draft(path: str, algorithm: str, target, target_config: ModelConfig, ma
                ) -> tuple[DraftModel, torch.Tensor | None]:
     """A trained draft to go on training (--init-draft): its weights in fp32, bound to `target`, and
     its draft vocab (sorted target ids, None for the full vocab), which the run keeps."""
-    path = resolve_draft_path(path, algorithm)
-    config, weights = read_draft_checkpoint(path)
-    if config.get("vocab_size", target_config.vocab_size) != target_config.vocab_size:
-        raise ValueError(f"--init-draft {path!r} has vocab_size {config['vocab_size']}, "
-                         f"the target has {target_config.vocab_size}")
-    model = draft_class(algorithm).from_published(config, set(weights), target_config, max_positions)
-    model = model.float()
-    model.load_published(weights, source=f"--init-draft {path!r}")
-    model.bind_target(target)
+    model = load_draft_model(path, algorithm, target, target_config, torch.float32, max_positions=max_positions)
     model.check_vocab_map()
     hot = None if model.d2t is None else model.draft_to_target(torch.arange(model.draft_vocab_size))
     return model, hot

@@ -12,6 +12,8 @@ DRAFT_SCALE_RANGE = (0.5, 8.0)
 SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a round's execute alone (before its
 # cycle was), it went below 1 at batch 8, which then speculated in 9 of 10 rounds and lost 7% end to end
 SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
+# a lone request's rounds read spec_scale per option (depth and width) and both ways: `CostModel.spec_scale`
+OPTION_SCALE_RANGE = (0.5, 8.0)
 SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
 # bounded (a descheduled round reads several times its cost); the scale itself follows the box however far
 
@@ -101,6 +103,13 @@ class CostModel:
         # whole batch's verify bookkeeping), and one engine-wide scale then priced a lone request's rounds so
         # dear that a grounded n-gram request (tau ~4) never speculated after a c32 run
         self._spec_scales: dict[int, float] = {}
+        # the same for a lone request, per option (depth k full width, -k narrow), and both ways: one round runs
+        # one option, so its cycle reads that option's price alone. The startup table's shape (what 5 verify rows
+        # cost over 1) differed process to process (1.08x-1.35x in five starts on one box, each start stable), and
+        # a start that read it steep priced a full round ~10% above its cycle, which a scale kept >= 1 never
+        # corrected: such servers sat at depth 0 in 58-78% of a lone chat request's rounds (issue 32)
+        self._option_scales: dict[int, float] = {}
+        self.spec_readings = 0  # speculating rounds read into spec_scale (the policy's idle shortcut keys on it)
 
     @classmethod
     def pinned(cls, with_draft: bool) -> "CostModel":
@@ -108,10 +117,13 @@ class CostModel:
         3 ms a draft forward), for tests that need reproducible plans."""
         return cls({1: 0.050, 64: 0.113}, 0.0005, {1: 0.003, 64: 0.010} if with_draft else None, frozen=True)
 
-    def spec_scale(self, requests: int) -> float:
+    def spec_scale(self, requests: int, option: int | None = None) -> float:
         """What speculating costs over its price in a round of `requests` requests (1.0 until a speculating round
-        of its bucket was read)."""
-        return self._spec_scales.get(spec_bucket(requests), 1.0)
+        of its bucket was read); a lone request's `option`, once read, by its own reading."""
+        bucket = self._spec_scales.get(spec_bucket(requests), 1.0)
+        if requests == 1 and option is not None:
+            return self._option_scales.get(option, bucket)
+        return bucket
 
     def target(self, requests: int, rows: int) -> float:
         return self._table(requests, rows) * self.scale
@@ -172,21 +184,32 @@ class CostModel:
             lo, hi = DRAFT_SCALE_RANGE
             self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
 
-    def observe_spec_extra(self, measured_s: float, predicted_s: float, requests: int = 1) -> None:
+    def observe_spec_extra(self, measured_s: float, predicted_s: float, requests: int = 1,
+                           option: int | None = None) -> None:
         """A speculating decode round of `requests` requests: `measured_s` = its seconds over a depth-0 round's, as
-        this model prices that one; `predicted_s` = what the plan priced speculating at, before spec_scale."""
+        this model prices that one; `predicted_s` = what the plan priced speculating at, before spec_scale;
+        `option`: a lone request's (spec_scale)."""
         if self.frozen or predicted_s <= 0:
             return
-        lo, hi = SPEC_SCALE_RANGE
-        ratio = min(hi, max(lo, max(measured_s, 1e-6) / predicted_s))
+        reading = max(measured_s, 1e-6) / predicted_s
+        self.spec_readings += 1
         bucket = spec_bucket(requests)
         old = self._spec_scales.get(bucket, 1.0)
-        self._spec_scales[bucket] = min(hi, max(lo, old * (ratio / old) ** ONLINE_RATE))
+        self._spec_scales[bucket] = _ema_log(old, reading, SPEC_SCALE_RANGE)
+        if requests == 1 and option is not None:
+            self._option_scales[option] = _ema_log(self._option_scales.get(option, old), reading, OPTION_SCALE_RANGE)
 
     def as_dict(self) -> dict:
         return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
                 "off_overhead": self.off_overhead, "round_overhead": self.round_overhead,
                 "spec_scale": {f"batch>={b}": s for b, s in sorted(self._spec_scales.items())},
+                "option_scale": {str(k): s for k, s in sorted(self._option_scales.items())},
                 "tree_factor": self.tree_factor,
                 "draft_rows": dict(zip(self.draft_rows.xs, self.draft_rows.ys)) if self.draft_rows else None}
+
+
+def _ema_log(old: float, reading: float, bounds: tuple[float, float]) -> float:
+    """One ONLINE_RATE step of a scale towards a reading, in log space, both kept within `bounds`."""
+    lo, hi = bounds
+    return min(hi, max(lo, old * (min(hi, max(lo, reading)) / old) ** ONLINE_RATE))

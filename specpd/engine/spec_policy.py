@@ -53,6 +53,9 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      16+: what a batch of 32 pays beyond its price is not what a lone request pays). The parts above are read on the shape the
      startup table was timed on (one request, 128 tokens of context); a verify row at batch 32 over a long
      context costs more than that, and without this the policy took rounds that cost 10% more than they gave.
+     A lone request's round runs one option, so there the scale is read per option and may go below 1: the
+     startup table's shape differs start to start, and a start that read verify rows steep overpriced every
+     speculating round of a lone request for its life (CostModel.spec_scale).
   6. A plan that put everyone at depth 0 stands without a search (`_idle_holds`) while the batch, the
      outcomes seen and the online prices stay as they were and the catch-ups only grow: at batch 8 the
      search cost ~0.9 ms a round, ~1% of a round that then only decodes.
@@ -153,7 +156,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         if other_requests and not self.frozen:  # a round with a prefill chunk: depth 0 (module docstring, 7)
             self.shadow_probes = []
             return self._finish_plan(request_ids, [0] * n, None, waiting, (priced, other_requests, other_rows))
-        key = (tuple(request_ids), other_requests, other_rows, self._observed)
+        key = (tuple(request_ids), other_requests, other_rows, self._observed, self.cost.spec_readings)
         if self._idle_holds(key, priced):
             # nothing an estimate or a price depends on moved since a search put everyone at depth 0, and the
             # catch-ups only grew (every option's cost grows with them): the search would say depth 0 again
@@ -173,7 +176,6 @@ class AdaptivePolicy(AcceptanceEstimates):
         depth = [uniform] * n
         lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, *extra))
         cost, steps = self.cost, self.num_steps
-        spec_scale = cost.spec_scale(n + other_requests)
         for sweep in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
             req = other_requests + n
@@ -196,7 +198,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * spec_scale * (verify + draft + extend)
+                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale(req, k) * (verify + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -228,9 +230,14 @@ class AdaptivePolicy(AcceptanceEstimates):
         self.last_draft_s = self._draft_time(depth, gains, pending)
         self.last_extra = None
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
-            base = self._round_time([0] * len(depth), gains, *priced)
-            scale = self.cost.spec_scale(len(depth) + priced[1])
-            self.last_extra = (base, (self._round_time(depth, gains, *priced) - base) / scale)
+            # with the catch-ups it will run (`pending`), which a decision may leave uncharged (4b) but the round's
+            # cycle holds: read against the decisions' price, a lone request's first round back from depth 0 (its
+            # catch-up dozens of rows) read its option at 1.3-1.4x, and that option was not chosen again
+            run = (pending, *priced[1:])
+            base = self._round_time([0] * len(depth), gains, *run)
+            option = self._option(depth, priced[1])
+            scale = self.cost.spec_scale(len(depth) + priced[1], option)
+            self.last_extra = (base, (self._round_time(depth, gains, *run) - base) / scale, option)
         for rid, k in zip(request_ids, depth):
             self._narrow[rid] = k < 0
         self.stats.rounds_narrow += sum(1 for k in depth if k < 0)
@@ -256,6 +263,7 @@ class AdaptivePolicy(AcceptanceEstimates):
             st.probing = False
             if depth[i] == 0:
                 st.idle_rounds += 1
+                self.idle_round(st)
                 if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and waiting[i] == 0):
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:
@@ -319,7 +327,13 @@ class AdaptivePolicy(AcceptanceEstimates):
         speculating = sum(1 for k in depth if k != 0)
         extra = (target - plain + self._draft_time(depth, gains, pending)
                  + (self.cost.round_overhead * len(depth) if speculating else 0.0))
-        return max(1e-9, plain + self.cost.spec_scale(req) * extra)  # (never 0: rates divide by it)
+        scale = self.cost.spec_scale(req, self._option(depth, other_requests))
+        return max(1e-9, plain + scale * extra)  # (never 0: rates divide by it)
+
+    @staticmethod
+    def _option(depth: list[int], other_requests: int) -> int | None:
+        """A lone request's option, which its round's spec_scale is read and priced by (CostModel.spec_scale)."""
+        return depth[0] if len(depth) == 1 and not other_requests else None
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
@@ -344,11 +358,11 @@ class AdaptivePolicy(AcceptanceEstimates):
             return
         if self.last_extra is None:
             return
-        base, predicted = self.last_extra
+        base, predicted, option = self.last_extra
         plain = self._plain_round_s.get(requests)
         if plain is None:  # no depth-0 round of this batch read yet: the model's price of one
             plain = base + (self.cost.off_overhead or 0.0) * requests
-        self.cost.observe_spec_extra(seconds - plain, predicted, requests)
+        self.cost.observe_spec_extra(seconds - plain, predicted, requests, option)
         self.last_extra = None
 
     def release(self, request_id: str) -> None:

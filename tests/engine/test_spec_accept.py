@@ -55,3 +55,24 @@ def test_a_narrow_chain_that_keeps_accepting_is_expected_to_go_deeper():
     assert narrow[0] > 0.8 and min(narrow[1:3]) > 0.9  # (depth 1 shrunk towards its prior, 0.375)
     assert narrow[3] > 0.9 and narrow[4] > 0.9
     assert est.accept_rates("fresh", narrow=True)[3] < 0.5  # a request with no rounds keeps the cautious prior
+
+
+def test_a_request_at_depth_zero_drifts_back_to_the_engine_wide_rate():
+    """Its last verifies missed while the engine's accept ~0.6 (the text moved on): sitting at depth 0 it observes
+    nothing, and forgetting per outcome alone kept its estimate there for the rest of its reply. Its idle rounds
+    decay its statistics, so within a few dozen it is back near the engine-wide rate (and speculates if that pays);
+    a frozen estimate (pinned tests, PD = unified) does not move."""
+    for frozen in (False, True):
+        est = AcceptanceEstimates(2, 1, 3, frozen=frozen)
+        for _ in range(8):
+            est.observe("r", 1, 0)
+        est.global_accept, est.request_accept = [0.6, 0.6], 0.6  # (the engine's other requests)
+        low = est.accept_rates("r")[0]
+        assert low < 0.3
+        st, seen = est._get("r"), est._observed
+        for _ in range(48):
+            est.idle_round(st)
+        if frozen:
+            assert est.accept_rates("r")[0] == low and est._observed == seen
+        else:
+            assert 0.5 < est.accept_rates("r")[0] < 0.6 and est._observed == seen + 6  # (the idle shortcut re-plans)

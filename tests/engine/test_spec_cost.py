@@ -141,10 +141,33 @@ def test_spec_scale_reads_a_speculating_round_against_measured_depth_0_rounds_of
         for _ in range(50):
             policy.observe_round_time(8, 20 * MS, speculated=False)
         for _ in range(200):
-            policy.last_extra = (15 * MS, 5 * MS)  # the plan priced speculating at 5 ms over its depth-0 round
+            policy.last_extra = (15 * MS, 5 * MS, None)  # the plan priced speculating at 5 ms over its depth-0 round
             policy.observe_round_time(8, 30 * MS, speculated=True)  # it added 10 ms over the measured 20
         assert cost.spec_scale(12) == (1.0 if frozen else pytest.approx(2.0, rel=0.05))
         assert cost.spec_scale(1) == 1.0
+
+
+def test_a_lone_requests_option_is_priced_by_its_own_rounds_also_below_its_table():
+    """At batch 1 a round runs one option, so its cycle reads that option's price alone, and a table that
+    overprices it (a start that read 5 verify rows steep) is corrected downwards: the request speculates. The
+    reading moves only that option and the bucket's scale, which stays >= 1 (options not read yet, batches of 2+
+    keep it); a frozen model learns nothing."""
+    for frozen in (False, True):
+        cost = CostModel({1: 10 * MS, 64: 136 * MS}, 0.1 * MS, {1: MS, 64: 3 * MS}, frozen=frozen)
+        policy = policy_with(cost, rate=0.25, steps=2)
+        policy.frozen = frozen
+        assert policy.plan(["a"]) == [(0, 1)]  # +2 ms a verify row, +1 ms the extend: depth 1 does not pay
+        for _ in range(50):
+            policy.observe_round_time(1, 10 * MS, speculated=False)
+        for _ in range(200):
+            policy.last_extra = (10 * MS, 4 * MS, 1)  # priced at 4 ms over a depth-0 round, it added 1.6
+            policy.observe_round_time(1, 11.6 * MS, speculated=True)
+        if frozen:
+            assert cost.spec_scale(1, 1) == 1.0 and policy.plan(["a"]) == [(0, 1)]
+            continue
+        assert cost.spec_scale(1, 1) == pytest.approx(0.5, rel=0.05)  # 0.4x read, bounded at 0.5
+        assert cost.spec_scale(1) == cost.spec_scale(1, 2) == cost.spec_scale(2, 1) == 1.0
+        assert policy.plan(["a"]) == [(1, 2)]
 
 
 def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():

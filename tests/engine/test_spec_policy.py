@@ -303,7 +303,7 @@ def test_the_idle_shortcut_plans_what_the_full_search_plans(shadow, frozen, monk
             for p in (fast, full):
                 p.release("u1")
             ids, pending = ["u0", "u2", "g"], [pending[0], pending[2], 0]
-        key = (tuple(ids), 0, 0, fast._observed)
+        key = (tuple(ids), 0, 0, fast._observed, fast.cost.spec_readings)
         shortcuts += fast._idle_holds(key, pending)
         plans = fast.plan(ids, 0, 0, pending)
         assert plans == full.plan(ids, 0, 0, pending), rnd
@@ -359,9 +359,10 @@ def test_a_request_at_depth_zero_keeps_probing_while_its_catch_up_grows():
     cost = CostModel({1: 47 * MS, 64: 113 * MS}, per_request=0.5 * MS, draft_rows={1: 3 * MS, 64: 23 * MS})
     for settled, expect_probes in ((False, False), (True, True)):
         policy = AdaptivePolicy(3, 2, 6, cost, shadow=True, catch_up_settled=settled)
-        for d in range(3):  # the request's draft looks useless so far: it stays at depth 0
+        for d in range(3):  # the request's draft looks useless so far, and the engine's: it stays at depth 0
             st = policy._get("a")
             st.attempted[d], st.accepted[d] = 20.0, 0.0
+        policy.global_accept, policy.request_accept = [0.0] * 3, 0.0
         pending, probes = 1, 0
         for _ in range(600):
             assert policy.plan(["a"], pending=[pending]) == [(0, 1)]

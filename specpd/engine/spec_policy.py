@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specpd.engine.spec_accept import GLOBAL_RATE, AcceptanceEstimates
+from specpd.engine.spec_accept import GLOBAL_RATE, IDLE_DECAY_EVERY, AcceptanceEstimates
 from specpd.engine.spec_cost import CostModel
 
 PROBE_BUDGET = 0.005  # share of the modelled round time probes may spend (not frozen)
@@ -120,6 +120,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         # the idle shortcut: a plan that put every request at depth 0 by the search's first pass, and what it
         # was made from (`plan`)
         self._idle: tuple | None = None
+        self._rounds_planned = 0
 
     # -- shape of a round -------------------------------------------------------------------
     def rows(self, k: int) -> int:
@@ -258,12 +259,14 @@ class AdaptivePolicy(AcceptanceEstimates):
         it is at depth 0: its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after
         the idle shortcut had to compute."""
         ready = []
+        self._rounds_planned += 1
+        tick = self._rounds_planned % IDLE_DECAY_EVERY == 0  # idle statistics decay (spec_accept.idle_round)
         for i, rid in enumerate(request_ids):
             st = self._get(rid)
             st.probing = False
             if depth[i] == 0:
                 st.idle_rounds += 1
-                self.idle_round(st)
+                self.idle_round(st, tick)
                 if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and waiting[i] == 0):
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specpd.engine.spec_accept import GLOBAL_RATE, IDLE_DECAY_EVERY, AcceptanceEstimates
+from specpd.engine.spec_accept import GLOBAL_RATE, AcceptanceEstimates
 from specpd.engine.spec_cost import CostModel
 
 PROBE_BUDGET = 0.005  # share of the modelled round time probes may spend (not frozen)
@@ -120,7 +120,6 @@ class AdaptivePolicy(AcceptanceEstimates):
         # the idle shortcut: a plan that put every request at depth 0 by the search's first pass, and what it
         # was made from (`plan`)
         self._idle: tuple | None = None
-        self._rounds_planned = 0
 
     # -- shape of a round -------------------------------------------------------------------
     def rows(self, k: int) -> int:
@@ -177,9 +176,10 @@ class AdaptivePolicy(AcceptanceEstimates):
         depth = [uniform] * n
         lam = max(n / base_time, sum(g[uniform] for g in gains) / self._round_time(depth, *extra))
         cost, steps = self.cost, self.num_steps
+        req = other_requests + n
+        spec_scale = {k: cost.spec_scale(req, k) for k in options}
         for sweep in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
-            req = other_requests + n
             level_rows = [sum(self.frontier(s) for k in depth if abs(k) > s) for s in range(steps)]
             # marginal seconds of one request's frontier at draft level s, whether or not it is there now
             add = [cost.draft(level_rows[s] + self.frontier(s)) - cost.draft(level_rows[s]) for s in range(steps)]
@@ -199,7 +199,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
                     extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * cost.spec_scale(req, k) * (verify + draft + extend)
+                    value = (gains[i][k] - 1.0) - lam * spec_scale[k] * (verify + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -259,17 +259,13 @@ class AdaptivePolicy(AcceptanceEstimates):
         it is at depth 0: its outcome costs nothing. Returns the round's estimates: extra's, or those a probe after
         the idle shortcut had to compute."""
         ready = []
-        self._rounds_planned += 1
-        # idle statistics decay (spec_accept.idle_round) for a lone request: in a batch a request's return to
-        # speculating puts the whole batch in a speculating round, and with the decay at every batch size a closed
-        # loop of 8 chat clients speculated in 3% of rounds, not 1.6%, and lost ~2% more to plain (profile_depth0)
-        tick = self._rounds_planned % IDLE_DECAY_EVERY == 0 and len(request_ids) == 1
+        lone = len(request_ids) == 1  # idle statistics decay for a lone request only (spec_accept.idle_round)
         for i, rid in enumerate(request_ids):
             st = self._get(rid)
             st.probing = False
             if depth[i] == 0:
                 st.idle_rounds += 1
-                self.idle_round(st, tick)
+                self.idle_round(st, lone)
                 if st.idle_rounds >= st.probe_every or (self.shadow and pending is not None and waiting[i] == 0):
                     ready.append((st.idle_rounds - st.probe_every, i, st))
             else:

@@ -71,10 +71,10 @@ def test_a_request_at_depth_zero_drifts_back_to_the_engine_wide_rate():
         assert low < 0.3
         st, seen = est._get("r"), est._observed
         for _ in range(48):
-            est.idle_round(st, tick=False)  # decays wait for the policy's tick (all idle requests at once)
+            est.idle_round(st, lone=False)  # in a batch: no decay
         assert est.accept_rates("r")[0] == low
         for _ in range(48):
-            est.idle_round(st, tick=True)
+            est.idle_round(st, lone=True)
         if frozen:
             assert est.accept_rates("r")[0] == low and est._observed == seen
         else:

@@ -9,7 +9,7 @@ over M rows (1 = decode at batch 1; 2..64 = verify trees and batched decode). Pa
   - MKL prepacked for that exact M (`mkl._mkl_linear`, fp32; what inductor's freezing uses),
   - specpd's few-row bf16 kernel (specpd/kernels/cpu_gemm_bf16.py, AVX512-BF16 / AMX CPUs: what cpu_linear.py
     serves GEMMs of up to `max_rows()` rows with), and the floor: the weights' bytes over the read bandwidth
-    measured on the box (evals/profile_step.py's `read_bandwidth`).
+    measured on the box (evals/profile_step.py's `ReadProbe`).
   - specpd's fp32 kernel (specpd/kernels/cpu_gemm_f32.py, AVX-512 CPUs: the bf16 kernel's layout and tiles with
     FMAs, what cpu_linear.py serves every fp32 GEMM with there). (An earlier few-row fp32 kernel, cpu_gemm, lost
     to the prepacked paths on an AMX box and was removed; git history has it.)
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
-from evals.profile_step import read_bandwidth  # noqa: E402
+from evals.profile_step import ReadProbe  # noqa: E402
 from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32  # noqa: E402
 from specpd.machine import isa, usable_cores  # noqa: E402
 
@@ -99,7 +99,7 @@ def main() -> None:
         ws = weights(dtype)
         nbytes = sum(w.numel() * w.element_size() for w in ws)
         for threads in args.threads:
-            floor_ms = round(1000 * nbytes / read_bandwidth(threads), 2)  # sets the thread count too
+            floor_ms = round(1000 * nbytes / ReadProbe(threads).median(), 2)  # sets the thread count too
             for m in args.rows:
                 row = {"dtype": dtype_name, "threads": threads, "rows": m, "floor_ms": floor_ms,
                        "ms": timed(paths(ws, m, dtype, threads), args.reps)}

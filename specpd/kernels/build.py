@@ -20,7 +20,7 @@ import tempfile
 
 import torch  # before any kernel loads: the kernels share torch's libgomp (its OpenMP pool)
 
-from specpd.machine import cache_root, cpu_flags
+from specpd.machine import cache_root, cpu_flags, isa
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 
@@ -75,4 +75,16 @@ def load(filename: str) -> ctypes.CDLL | None:
                 os.replace(out, path)  # atomic: concurrent builders see the whole file or none
         except (OSError, subprocess.SubprocessError):
             return None
-    return ctypes.CDLL(path)
+    lib = ctypes.CDLL(path)
+    use_amx = getattr(lib, "specpd_gemm_bf16_use_amx", None)
+    if use_amx is not None:
+        use_amx.argtypes = [ctypes.c_int]
+        lib.amx = bool(use_amx(int(gemm_amx_wanted())))  # False where Linux refused the tile state
+    return lib
+
+
+def gemm_amx_wanted() -> bool:
+    """Every library holding the bf16 GEMM (cpu_gemm_bf16.c, and cpu_stack.c which includes it) multiplies on AMX
+    tiles where the CPU has them, unless SPECPD_GEMM_AMX=0 (its vdpbf16ps path then; benchmarks A/B it that
+    way): one choice per process, so a weight rounds alike whichever library multiplies it."""
+    return os.environ.get("SPECPD_GEMM_AMX", "1") != "0" and isa() == "amx"

@@ -10,6 +10,13 @@
    beside it (speculative verify rows round exactly as the same rows decoded alone). The bias is added to the
    fp32 sum, then one rounding to bf16 (nearest even, as torch).
 
+   AMX (specpd_gemm_bf16_use_amx): the same packed layout is what a tile multiply reads as its B operand (one
+   k-block of a column block = 16 pairs x 16 columns x 2 = one 1 KB tile, 64-byte rows), so on CPUs with AMX
+   tiles of up to 16 rows x 32 inputs are multiplied by 1..4 column blocks at once (tdpbf16ps), rows 1..16
+   costing what reading the weight costs. Still invariant by construction: an output element is the same chain
+   of tile products over K in the same order whatever M; it rounds differently from the vdpbf16ps path, and
+   one process uses one path for every weight whose K is a multiple of 32 (the others keep vdpbf16ps).
+
    Threads: OpenMP (torch's pool, see specpd/kernels/build.py); each thread takes a contiguous range of
    column blocks. Without AVX512-BF16 the library builds and specpd_gemm_bf16_available returns 0. */
 #include <stdint.h>
@@ -17,6 +24,11 @@
 #include <omp.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SPECPD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 int specpd_gemm_bf16_available(void) {
@@ -80,11 +92,116 @@ static const tile_fn TILE4[MR_MAX + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_
 static const tile_fn TILE1[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 #endif
 
+#ifdef SPECPD_AMX
+static int use_amx = 0;
+
+/* Ask Linux for the AMX tile state (per process, Linux 5.16+) and use it when `on`; returns whether it is used. */
+int specpd_gemm_bf16_use_amx(int on) {
+  use_amx = on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return use_amx;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* tmm0..3: four column blocks' fp32 sums (mr x 16); tmm4: x, mr rows x 32 inputs; tmm5..7: weight tiles. */
+static void amx_configure(int mr) {
+  tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    c.rows[t] = t < 5 ? mr : 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+/* bias, one rounding to bf16 and a masked store of sums[mr][64] (nb blocks of 16 columns): the vector path's. */
+static void amx_store(const float* sums, int mr, int nb, const float* bias, uint16_t* y, int64_t ldy,
+                      int64_t n_left) {
+  for (int j = 0; j < nb; j++) {
+    int64_t cols = n_left - 16 * j;
+    __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++)
+      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * 64 + 16 * j), b)));
+  }
+}
+
+/* mr (configured) rows x 4 column blocks over the whole K; w: the first block, `block` elements apart. */
+static void amx_tile4(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block, float* sums) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    const uint16_t* wk = w + kb * 512;
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_loadd(5, wk, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + block, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, wk + 2 * block, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, wk + 3 * block, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
+  _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
+}
+
+static void amx_tile1(const uint16_t* x, int64_t K, const uint16_t* w, float* sums) {
+  _tile_zero(0);
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_loadd(5, w + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 5);
+  }
+  _tile_stored(0, sums, 256);
+}
+
+static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, const float* bias,
+                     int64_t N, uint16_t* y) {
+  int64_t nb_count = (N + 15) / 16, block = K / 2 * 32;
+  #pragma omp parallel
+  {
+    int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t lo = nb_count * t / threads, hi = nb_count * (t + 1) / threads;
+    float sums[16 * 64] __attribute__((aligned(64)));
+    int configured = 0;
+    for (int64_t nb = lo; nb < hi;) {
+      int wide = hi - nb >= 4 ? 4 : 1;
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        int mr = M - m0 < 16 ? (int)(M - m0) : 16;
+        if (mr != configured) amx_configure(configured = mr);
+        if (wide == 4) amx_tile4(x + m0 * K, K, packed + nb * block, block, sums);
+        else amx_tile1(x + m0 * K, K, packed + nb * block, sums);
+        amx_store(sums, mr, wide, bias ? bias + nb * 16 : 0, y + m0 * N + nb * 16, N, N - nb * 16);
+      }
+      nb += wide;
+    }
+    if (configured) _tile_release();
+  }
+}
+#else
+int specpd_gemm_bf16_use_amx(int on) {
+  (void)on;
+  return 0;
+}
+#endif
+
 /* x [M, K] bf16 contiguous, packed from specpd_gemm_bf16_pack, bias [N] fp32 or NULL, y [M, N] bf16. */
 int specpd_gemm_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, const float* bias,
                      int64_t N, uint16_t* y) {
 #ifdef __AVX512BF16__
   if (K % 2) return 1;
+#ifdef SPECPD_AMX
+  if (use_amx && K % 32 == 0) {
+    amx_gemm(x, M, K, packed, bias, N, y);
+    return 0;
+  }
+#endif
   int64_t kp_count = K / 2, nb_count = (N + 15) / 16, block = kp_count * 32;
   const uint32_t* xp = (const uint32_t*)x;
   #pragma omp parallel

@@ -151,6 +151,26 @@ static void amx_tile4(const uint16_t* x, int64_t K, const uint16_t* w, int64_t b
   _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
 }
 
+/* 32 rows x 2 column blocks (configured for 16-row tiles): two x tiles and two weight tiles per k-block feed four
+   products, one load a product where amx_tile4 takes 1.25 (wide GEMMs: prefill chunks, big batches). Each
+   output element is the same chain of tile products as in amx_tile4 and amx_tile1. sums: [32][64] floats. */
+static void amx_tile22(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block, float* sums) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; kb++) {
+    const uint16_t* wk = w + kb * 512;
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_loadd(5, x + 16 * K + kb * 32, K * 2);
+    _tile_loadd(6, wk, 64);
+    _tile_loadd(7, wk + block, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
+  _tile_stored(2, sums + 16 * 64, 256); _tile_stored(3, sums + 16 * 64 + 16, 256);
+}
+
 static void amx_tile1(const uint16_t* x, int64_t K, const uint16_t* w, float* sums) {
   _tile_zero(0);
   for (int64_t kb = 0; kb < K / 32; kb++) {
@@ -168,11 +188,22 @@ static void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pa
   {
     int threads = omp_get_num_threads(), t = omp_get_thread_num();
     int64_t lo = nb_count * t / threads, hi = nb_count * (t + 1) / threads;
-    float sums[16 * 64] __attribute__((aligned(64)));
+    float sums[32 * 64] __attribute__((aligned(64)));
     int configured = 0;
     for (int64_t nb = lo; nb < hi;) {
       int wide = hi - nb >= 4 ? 4 : 1;
-      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      int64_t m0 = 0;
+      if (wide == 4 && M >= 32) {
+        if (configured != 16) amx_configure(configured = 16);
+        for (; M - m0 >= 32; m0 += 32) {
+          amx_tile22(x + m0 * K, K, packed + nb * block, block, sums);
+          amx_tile22(x + m0 * K, K, packed + (nb + 2) * block, block, sums + 32);
+          for (int h = 0; h < 2; h++)
+            amx_store(sums + h * 16 * 64, 16, 4, bias ? bias + nb * 16 : 0, y + (m0 + 16 * h) * N + nb * 16, N,
+                      N - nb * 16);
+        }
+      }
+      for (; m0 < M; m0 += 16) {
         int mr = M - m0 < 16 ? (int)(M - m0) : 16;
         if (mr != configured) amx_configure(configured = mr);
         if (wide == 4) amx_tile4(x + m0 * K, K, packed + nb * block, block, sums);

@@ -17,10 +17,10 @@ bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) strea
 read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
 on an AMD EPYC (AVX512-BF16, no AMX) cost 10.4 ms for 1 row against oneDNN's 15.7, 8.9 vs 13.9 for 8 rows, and
 it stays ahead to 512 rows (336 vs 339 ms; evals/results/gemm.json; the box's bandwidth drifts between runs).
-Without AMX it takes every bf16 GEMM (and oneDNN's copy of the weight is not made); with AMX, whose tiles make
-oneDNN's 17..32 rows cost what 16 do, it takes GEMMs of up to 16 rows from a second copy of the weight in its
-layout, and oneDNN the wider ones. It is batch invariant by construction, so bf16 is invariant at any width
-without AMX, up to 16 rows with it.
+It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles where the CPU has them
+(10.5 ms at 1 row, 10.8 at 16, 17 at 64 on a 4th-gen Xeon against oneDNN's 16 / 16 / 20.5); only with its AMX
+path off (SPECPD_GEMM_AMX=0) does an AMX CPU hand GEMMs wider than 16 rows to oneDNN. It is batch invariant by
+construction, so bf16 is invariant at any width.
 fp32 on an AVX-512 CPU: its fp32 sibling (cpu_gemm_f32, the same layout and tiles with FMAs) takes every fp32
 GEMM, any width, so fp32 stays invariant (12.2 ms for 1 row against oneDNN's 22.6, 15.4 vs 23.5 for 8 rows, 730
 vs 714 for a 512-row prefill chunk); oneDNN keeps fp32 on AVX2 boxes.

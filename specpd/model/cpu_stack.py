@@ -9,7 +9,8 @@ tests/kernels/test_cpu_stack.py), and releases the GIL for all of it.
 
 It runs where every kernel it chains would run anyway: a CausalLM packed for CPU in bf16 or fp32 whose every
 linear takes the project's GEMM kernel for that dtype at this row count (cpu_gemm_bf16 on AVX512-BF16: every
-width without AMX, up to 16 rows with it; cpu_gemm_f32 on AVX-512: every width),
+width, on AMX tiles where the CPU has them, up to 16 rows with SPECPD_GEMM_AMX=0 there; cpu_gemm_f32 on AVX-512:
+every width),
 the C attention backend with no long prompt chunk in the step (those take SDPA), no tensor parallelism (an
 all-reduce sits between layers), no quantization, no q/k norms, no autograd. Anything else: `run` returns None
 and the caller takes the Python path. SPECPD_CPU_STACK=0 turns it off (benchmarks A/B it that way).

@@ -77,7 +77,8 @@ def test_logprobs_with_speculation_come_from_verify_logits(checkpoint, prompts, 
 def test_bf16_greedy_speculation_equals_plain_within_the_invariant_width(checkpoint, prompts):
     """In bf16 (what `specpd serve` runs here) a verify row rounds as the same row decoded alone while a step's
     GEMMs stay within the batch-invariant width (cpu_linear's docstring): two requests with 7-row trees are 14
-    rows, under it on every CPU (AMX: 16; others: any width with the bf16 kernel, 32 with oneDNN alone)."""
+    rows, under it on every CPU (any width with the bf16 kernel, AMX tiles or not; 16 on AMX with
+    SPECPD_GEMM_AMX=0; 32 with oneDNN alone)."""
     cache = CacheConfig(page_size=16, num_pages=NUM_PAGES)
     pair = prompts[:2]
     plain = collect_logprobs(LLMEngine(EngineConfig(model="default", dtype="bfloat16", cache=cache),

@@ -58,8 +58,8 @@ BF16_WIDEST = min(cpu_gemm_bf16.max_rows(), 600) if cpu_gemm_bf16.available() el
 @pytest.mark.parametrize("dtype,widest", [(torch.float32, 600), (torch.bfloat16, BF16_WIDEST)], ids=str)
 def test_a_row_does_not_depend_on_its_batch(dtype, widest):
     """Batch invariance (cpu_linear's docstring): each row of an M-row GEMM equals that row computed alone, for
-    every M up to `widest` (fp32: any; bf16: the few-row kernel's width where it runs, any without AMX, else
-    oneDNN's kernel for up to 32 rows), on SmolLM2's shapes."""
+    every M up to `widest` (fp32: any; bf16: the few-row kernel's width where it runs, any unless
+    SPECPD_GEMM_AMX=0 on AMX, else oneDNN's kernel for up to 32 rows), on SmolLM2's shapes."""
     if not mkldnn_ok(dtype):
         pytest.skip(f"oneDNN does not run {dtype} here")
     gen = torch.Generator().manual_seed(1)

@@ -16,7 +16,7 @@ faster, but is not invariant: it is not used.
 bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
 read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
 on an AMD EPYC (AVX512-BF16, no AMX) cost 10.4 ms for 1 row against oneDNN's 15.7, 8.9 vs 13.9 for 8 rows, and
-it stays ahead to 512 rows (336 vs 339 ms; evals/results/gemm.json; the box's bandwidth drifts between runs).
+it stays ahead to 512 rows (336 vs 339 ms; gemm.json's git history; the box's bandwidth drifts between runs).
 It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles where the CPU has them
 (10.0 ms at 1 row, 10.3 at 16, 17.3 at 64 on an AMX Xeon against oneDNN's 14.9 / 15.3 / 20.3); only with its AMX
 path off (SPECPD_GEMM_AMX=0) does an AMX CPU hand GEMMs wider than 16 rows to oneDNN. It is batch invariant by

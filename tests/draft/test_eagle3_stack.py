@@ -132,7 +132,7 @@ def test_draft_stack_declines_what_it_does_not_run(checkpoint, dtype):
     other = (torch.float32 if stack.dtype == torch.bfloat16 else torch.bfloat16)
     assert stack.run(h.to(other), h.to(other), None, proposer.backend, None) is None  # not the weights' dtype
     rows = stack.max_rows + 1
-    if rows < 1 << 20:  # with AMX and SPECPD_GEMM_AMX=0 the kernel takes up to 16 rows: more go through oneDNN and Python
+    if rows < 1 << 20:  # AMX with SPECPD_GEMM_AMX=0: the kernel takes up to 16 rows, more go through oneDNN and Python
         big = torch.zeros(rows, h.shape[1], dtype=stack.dtype)
         assert stack.run(big, big, None, proposer.backend, None) is None
     fp16 = LLMEngine(EngineConfig(model="default", dtype="float16", spec=SPEC,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specpd.kernels import cpu_gemm_bf16 as gemm_bf16
+from specpd.kernels.build import gemm_amx_wanted
 from specpd.machine import isa
 
 pytestmark = pytest.mark.skipif(not gemm_bf16.available(), reason="no AVX512-BF16 (or no C compiler) here")
@@ -84,7 +85,7 @@ def test_unpack_inverts_pack():
         assert torch.equal(gemm_bf16.unpack(gemm_bf16.pack(w), n), w)
 
 
-@pytest.mark.skipif(not AMX, reason="no AMX here")
+@pytest.mark.skipif(not (AMX and gemm_amx_wanted()), reason="no AMX here, or SPECPD_GEMM_AMX=0")
 def test_an_amx_cpu_multiplies_on_tiles_and_they_round_apart_from_vdpbf16ps():
     """The process takes the tile path where the CPU has AMX (build.gemm_amx_wanted), and the switch reaches
     another computation: the two paths round some sums apart (both are checked against the reference above)."""

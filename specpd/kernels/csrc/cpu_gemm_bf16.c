@@ -59,6 +59,16 @@ int specpd_gemm_bf16_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* pac
 #ifdef __AVX512BF16__
 #define MR_MAX 6
 
+/* columns [0, cols) of a block of 16 (all of them short of the last block) */
+static inline __mmask16 col_mask(int64_t cols) {
+  return cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+}
+
+/* the epilogue of both paths: the bias added to the fp32 sums, one rounding to bf16, the masked columns stored */
+static inline void store_bf16(uint16_t* y, __mmask16 mask, __m512 sums, __m512 bias) {
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums, bias)));
+}
+
 /* MR rows x NB column blocks: acc[r][j] += x[r] pairs . w blocks, over the whole K, then bias, round, store.
    x: the tile's first row (row stride kp_count pairs); w: the first block; y: the tile's first output. */
 #define TILE(MR, NB)                                                                                        \
@@ -76,12 +86,9 @@ int specpd_gemm_bf16_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* pac
       }                                                                                                     \
     }                                                                                                       \
     for (int j = 0; j < NB; j++) {                                                                          \
-      int64_t cols = n_left - 16 * j;                                                                       \
-      __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);                      \
+      __mmask16 mask = col_mask(n_left - 16 * j);                                                           \
       __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();                   \
-      for (int r = 0; r < MR; r++)                                                                          \
-        _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, mask,                                               \
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b)));                 \
+      for (int r = 0; r < MR; r++) store_bf16(y + r * ldy + 16 * j, mask, acc[r][j], b);                    \
     }                                                                                                       \
   }
 #define TILES(MR) TILE(MR, 4) TILE(MR, 1)
@@ -119,16 +126,13 @@ static void amx_configure(int mr) {
   _tile_loadconfig(&c);
 }
 
-/* bias, one rounding to bf16 and a masked store of sums[mr][64] (nb blocks of 16 columns): the vector path's. */
+/* store_bf16 over sums[mr][64] (nb blocks of 16 columns), as the vector path's tiles end */
 static void amx_store(const float* sums, int mr, int nb, const float* bias, uint16_t* y, int64_t ldy,
                       int64_t n_left) {
   for (int j = 0; j < nb; j++) {
-    int64_t cols = n_left - 16 * j;
-    __mmask16 mask = cols >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __mmask16 mask = col_mask(n_left - 16 * j);
     __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-    for (int r = 0; r < mr; r++)
-      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, mask,
-                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * 64 + 16 * j), b)));
+    for (int r = 0; r < mr; r++) store_bf16(y + r * ldy + 16 * j, mask, _mm512_loadu_ps(sums + r * 64 + 16 * j), b);
   }
 }
 

@@ -76,11 +76,19 @@ def load(filename: str) -> ctypes.CDLL | None:
         except (OSError, subprocess.SubprocessError):
             return None
     lib = ctypes.CDLL(path)
-    use_amx = getattr(lib, "specpd_gemm_bf16_use_amx", None)
-    if use_amx is not None:
-        use_amx.argtypes = [ctypes.c_int]
-        lib.amx = bool(use_amx(int(gemm_amx_wanted())))  # False where Linux refused the tile state
+    lib.amx = _use_amx(lib, "specpd_gemm_bf16_use_amx", gemm_amx_wanted())
+    lib.attention_amx = _use_amx(lib, "specpd_attention_use_amx", attention_amx_wanted())
     return lib
+
+
+def _use_amx(lib: ctypes.CDLL, setter: str, wanted: bool) -> bool:
+    """Switch a library's AMX tile path (where it has one): whether it is used, False where Linux refused the
+    tile state."""
+    fn = getattr(lib, setter, None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int]
+    return bool(fn(int(wanted)))
 
 
 def gemm_amx_wanted() -> bool:
@@ -88,3 +96,10 @@ def gemm_amx_wanted() -> bool:
     tiles where the CPU has them, unless SPECPD_GEMM_AMX=0 (its vdpbf16ps path then; benchmarks A/B it that
     way): one choice per process, so a weight rounds alike whichever library multiplies it."""
     return os.environ.get("SPECPD_GEMM_AMX", "1") != "0" and isa() == "amx"
+
+
+def attention_amx_wanted() -> bool:
+    """Every library holding the CPU attention (cpu_attention.c, and cpu_stack.c which includes it) runs bf16
+    scores and P.V on AMX tiles where the CPU has them, unless SPECPD_ATTENTION_AMX=0: one choice per process, so
+    a decode step and a verify row round alike whichever library attends."""
+    return os.environ.get("SPECPD_ATTENTION_AMX", "1") != "0" and isa() == "amx"

@@ -8,7 +8,10 @@ position before the sequence's mask block, then within the block causally (block
 positions) or by the sequence's tree mask ([q_len, width] over the last width positions). The rope tables
 are fp32 ([max_pos, D]: cos and the sign-folded sin of specpd.model.llama.Rotary); Q and K are rotated in
 fp32, K is rounded to the pool's dtype as it is stored, scores and the softmax run in fp32, and the output is
-rounded once to the query's dtype. A row's result does not depend on the rows that share its call (a verify
+rounded once to the query's dtype. On a CPU with AMX a bf16 pool is attended on tiles
+(build.attention_amx_wanted; SPECPD_ATTENTION_AMX=0 turns it off): the rotated, scaled query and the softmax's
+probabilities are rounded to bf16 for the tile products (sums in fp32), as GPU flash attention does, for decode
+and verify rows alike. A row's result does not depend on the rows that share its call (a verify
 row equals the decode step over the same prefix bit for bit).
 
 `specpd.attention.reference.fused_attention_ref` is the torch reference (paged_attention_ref over the same
@@ -28,8 +31,14 @@ from specpd.kernels.build import VOID_P as _P
 
 
 @functools.cache
+def _lib():
+    """The kernel library (None without a C compiler); `lib.attention_amx`: whether bf16 attends on AMX tiles."""
+    return load("cpu_attention.c")
+
+
+@functools.cache
 def _kernel():
-    lib = load("cpu_attention.c")
+    lib = _lib()
     if lib is None:
         return None
     fn = lib.specpd_attention

@@ -13,10 +13,28 @@ import torch
 
 from specpd.attention.metadata import AttentionMetadata
 from specpd.attention.reference import fused_attention_ref as attention_ref
-from specpd.kernels.cpu_attention import available, paged_attention
+from specpd.kernels.build import attention_amx_wanted
+from specpd.kernels.cpu_attention import _lib, available, paged_attention
 from specpd.kv.pool import KVPool
+from specpd.machine import isa
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the cpu attention kernel cannot be built")
+AMX = available() and isa() == "amx"
+
+
+@pytest.fixture(params=["vector", "amx"])
+def path(request):
+    """The kernel's path for a bf16 test: the AVX-512 / portable one, or AMX tiles (where the CPU has them)."""
+    if request.param == "amx" and not AMX:
+        pytest.skip("no AMX here")
+    if request.param == "amx" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip("tiles take bf16 pools only")
+    lib = _lib()
+    if lib.specpd_attention_use_amx(int(request.param == "amx")) != (request.param == "amx"):
+        lib.specpd_attention_use_amx(int(lib.attention_amx))
+        pytest.skip("this build of the kernel has no AMX path (an x86-64-v3 build)")
+    yield request.param
+    lib.specpd_attention_use_amx(int(lib.attention_amx))
 
 LAYER = 1
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -82,7 +100,7 @@ CASES = {  # q_lens, kv_lens, Hq, Hkv, D, page_size, tree_extra
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "no_rope"])
-def test_kernel_matches_reference(name, dtype, rope):
+def test_kernel_matches_reference(name, dtype, rope, path):
     q_lens, kv_lens, hq, hkv, d, ps, tree = CASES[name]
     pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, dtype, tree)
     ref_pool = KVPool(pool.num_pages, 3, ps, hkv, d, dtype)
@@ -98,7 +116,7 @@ def test_kernel_matches_reference(name, dtype, rope):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_row_does_not_depend_on_its_batch(dtype):
+def test_a_row_does_not_depend_on_its_batch(dtype, path):
     """A verify block's rows, and the same rows decoded one at a time over the same prefix: bit for bit."""
     q_lens, kv_lens = [7], [100]
     pool, meta, qkv, positions = make_case(q_lens, kv_lens, 9, 3, 64, 16, dtype)
@@ -115,7 +133,7 @@ TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depths 0 1 1 2 2 2 3 3: nodes in the
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prefix", [60, 100, 32])  # the tree's slots across a chunk boundary, inside one, at one
-def test_a_tree_row_equals_the_decode_step_over_its_path(dtype, prefix):
+def test_a_tree_row_equals_the_decode_step_over_its_path(dtype, prefix, path):
     """A tree verify's node j sits in slot prefix + j while its position is prefix + depth(j): it must compute
     what a decode row at that position computes over the same keys (its ancestors in consecutive positions), bit
     for bit. Reading keys by slot, a node in a sibling's slot summed its softmax lanes in another order: a bf16
@@ -142,6 +160,24 @@ def test_a_tree_row_equals_the_decode_step_over_its_path(dtype, prefix):
         one = AttentionMetadata.build([1], [prefix + depth[j] + 1], [pages], 16)
         alone = run(paged_attention, alone_pool, one, qkv[j:j + 1], positions[j:j + 1], 9, 3)
         assert torch.equal(alone, together[j:j + 1]), (j, depth[j])
+
+
+@pytest.mark.skipif(not (AMX and attention_amx_wanted()), reason="no AMX here, or SPECPD_ATTENTION_AMX=0")
+def test_an_amx_cpu_attends_bf16_on_tiles_and_they_round_apart_from_the_vector_path():
+    """The process attends bf16 on tiles where the CPU has AMX (build.attention_amx_wanted), and the switch reaches
+    another computation: the two paths round some outputs apart (both are checked against the reference above)."""
+    lib = _lib()
+    assert lib.attention_amx
+    q_lens, kv_lens, hq, hkv, d, ps, tree = CASES["verify_trees"]
+    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, torch.bfloat16, tree)
+    before = pool.buffer.clone()
+    tiles = run(paged_attention, pool, meta, qkv, positions, hq, hkv)
+    try:
+        lib.specpd_attention_use_amx(0)
+        pool.buffer.copy_(before)
+        assert not torch.equal(tiles, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
+    finally:
+        lib.specpd_attention_use_amx(1)
 
 
 def test_bad_shapes_are_refused():

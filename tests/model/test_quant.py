@@ -92,7 +92,9 @@ def test_quantization_needs_bf16_and_a_known_method(ckpt):
 
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
-             "List three colors."]
+             "List three colors.", "Explain how a hash map works.", "Give me a recipe for pancakes.",
+             "What causes the seasons on Earth?", "Summarize the plot of Hamlet in two sentences.",
+             "How do I sort a list in Python?"]
 
 
 @pytest.fixture
@@ -108,7 +110,9 @@ def test_int4_engine_tracks_bf16_on_smollm2(ckpt, restore_threads):
     that rounding (dense bf16 vs fp32 does too: it differs at token 0 of the first prompt).
     Tolerance: >= 60% of all tokens lie in the common prefixes, and the first token agrees on every prompt but
     the first, whose token 0 is a near-tie at bf16 precision (dense bf16 and fp32 differ there too) (measured
-    with the oneDNN / fused-kernel core: 0, 16, 16 of 16; before it 16, 8, 16; with an int4 head 5, 8, 6)."""
+    with the oneDNN / fused-kernel core: 0, 16, 16 of 16 on the first three prompts; before it 16, 8, 16; with an
+    int4 head 5, 8, 6; with bf16 attention on AMX tiles 0, 8, 16, so eight prompts now, where one near-tie moves
+    the sum by a few percent: 0, 16, 9, 16, 16, 16, 16, 16 on tiles, 16, 8, 16, ... 16 without)."""
     tok = ckpt.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -8,7 +8,10 @@
    for bit; V [CH][D] fp32) and used by every row of the block;
    each row keeps an online softmax (max m, sum l, acc[D]). A masked key contributes exactly nothing and a
    chunk fully masked for a row is skipped, so a row's result does not depend on which rows share its block:
-   a verify row equals the decode step over the same prefix, bit for bit. */
+   a verify row equals the decode step over the same prefix, bit for bit.
+
+   bf16 on AMX (specpd_attention_use_amx; see attn_use_amx): the same chunks and the same online softmax, with
+   the scores and P.V as tile products. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -16,12 +19,18 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTN_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define CH 16
 #define RB 16
 #define DMAX 256
 #define GMAX 16
 #define ROW_PATH_VECTORS 8  /* a chunk's scores from K rows up to this many query vectors, else transposed K */
+#define PF_AHEAD 1  /* chunks prefetched ahead of the one computed (prefetch_chunk) */
 #define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
 
 #include "dtypes.h"
@@ -220,6 +229,55 @@ CHUNK_KERNEL(chunk_avx512_d64_nv3, 64, 3)  /* GQA groups of 3 (SmolLM2's 9 / 3 h
 CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
 #endif
 
+#ifdef ATTN_AMX
+/* bf16 attention on AMX tiles (specpd_attention_use_amx; build.attention_amx_wanted). Per chunk of 16 keys and
+   group of 16 query vectors (a block's vectors 16g .. 16g + 15): scores S[vector][key] = Q . K over D / 32
+   tile products (Q rounded to bf16 after RoPE and the scale; K transposed by pairs of dims), the online softmax
+   per vector as the vector path's (fp32, lanes = keys), P rounded to bf16, and P.V in tiles (V interleaved by
+   pairs of keys) into a fresh 16 x D block that the accumulators take as acc * alpha + block. Every element of
+   a tile product is its own chain over its row of A and column of B, so a vector's scores and output do not
+   depend on the vectors sharing its tile: decode rows, verify rows and tree rows run the same path and a
+   verify row still equals the decode step bit for bit. One path per process (decode and verify alike): it
+   rounds apart from the vector path. */
+static int attn_use_amx = 0;
+
+/* Ask Linux for the AMX tile state (per process) and use it when `on`; returns whether it is used. */
+int specpd_attention_use_amx(int on) {
+  attn_use_amx = on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return attn_use_amx;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} __attribute__((packed, aligned(64))) attn_tile_config;
+
+/* the tiles run_chunks_amx uses (see there) */
+static void attn_amx_configure(int mr) {
+  attn_tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    c.rows[t] = t == 7 ? 8 : t == 5 ? 16 : mr;
+    c.colsb[t] = t == 6 ? 32 : 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+/* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */
+static const uint16_t PAIR_LO[32] __attribute__((aligned(64))) = {
+  0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t PAIR_HI[32] __attribute__((aligned(64))) = {
+  16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+#else
+int specpd_attention_use_amx(int on) {  /* built without AMX (an x86-64-v3 build, an older CPU): never */
+  (void)on;
+  return 0;
+}
+#endif
+
 typedef struct {
   int dt;
   const void* q; int64_t q_stride; const int64_t* q_pos;
@@ -242,18 +300,125 @@ static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, i
   }
 }
 
+/* the pages are scattered, so no hardware prefetcher sees the coming chunks: ask for chunk c's K and V rows
+   PF_AHEAD chunks before they are read (a hint only; it changes no result). Into L2 (prefetcht2): into L1
+   (prefetcht0) a chunk's 64 lines outran the core's L1 miss buffers and the kernel waited on its K loads (a b32
+   decode step's attention over 350 positions: 31 ms, 25 ms with this hint one chunk ahead). Two or four chunks
+   ahead, or into L1, read no faster on the AMX path either (an AMX Xeon). */
+static void prefetch_chunk(const Args* a, int64_t b, int64_t h, int64_t c, int64_t shared) {
+  int64_t offs[CH];
+  const int64_t n = shared - c < CH ? shared - c : CH;
+  chunk_slots(a, b, h, c, n, offs);
+  const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = a->D * esize;
+  const char* pool = (const char*)a->pool;
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(pool + (offs[j] + a->k_off) * esize + byte, 0, 1);
+      __builtin_prefetch(pool + (offs[j] + a->v_off) * esize + byte, 0, 1);
+    }
+}
+
 /* What one work item's chunks share: its queries (RoPE'd, scaled), online-softmax state and scratch. */
 typedef struct {
   const Args* a;
   int64_t D, G;
-  int fast, permuted;
+  int fast, permuted, amx;
   float* Q;    /* [V][D] */
+  uint16_t* Qb;  /* [16 ceil(V / 16)][D]: the AMX path's bf16 queries, zero past V */
   float* acc;  /* [V][D] */
   float* m;
   float* l;
   float* KT;   /* [D][CH] */
   float* Vc;   /* [CH][D] (the generic path's V rows) */
 } Block;
+
+#ifdef ATTN_AMX
+/* run_chunk on AMX tiles (bf16 pool, D a multiple of 32): see attn_use_amx. Keys past n are zero (finite scores,
+   and a masked key's P is exactly 0). Tiles (attn_amx_configure, mr = a group's vector rows): tmm0..3 fp32
+   mr x 16 (the scores, then four 16-dim blocks of P.V), tmm4 Q (mr vectors x 32 dims), tmm5 K^T (16 dim pairs x
+   16 keys), tmm6 P (mr vectors x 16 keys), tmm7 V (8 key pairs x 16 dims). */
+static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
+                          const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
+  const Args* a = k->a;
+  const int64_t D = k->D, G = k->G;
+  const uint16_t* pool = (const uint16_t*)a->pool;
+  uint16_t* Kt = (uint16_t*)k->KT;  /* [D / 32][16 dim pairs][16 keys][2]: one B tile per 32 dims */
+  uint16_t* Vp = Kt + D * CH;       /* [D / 16][8 key pairs][16 dims][2]: one B tile per 16 dims */
+  float (*O)[D] = (float (*)[D])k->Vc;  /* a group's P.V, [16][D] */
+  float (*acc)[D] = (float (*)[D])k->acc;
+  float* m = k->m;
+  float* l = k->l;
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* a key's 32 dims as 16 dwords (pairs); the transpose moves bits */
+    __m512 r[16];
+    for (int64_t j = 0; j < CH; j++)
+      r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(pool + offs[j] + a->k_off + d0)) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int p = 0; p < 16; p++) _mm512_store_ps((float*)(Kt + d0 * CH + 32 * p), r[p]);
+  }
+  const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
+  for (int64_t p = 0; p < CH / 2; p++)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const __m512i x = 2 * p < n ? _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + d0) : _mm512_setzero_si512();
+      const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + d0)
+                                      : _mm512_setzero_si512();
+      _mm512_store_si512(Vp + (d0 / 16) * 256 + 32 * p, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(Vp + (d0 / 16 + 1) * 256 + 32 * p, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  float S[16][16] __attribute__((aligned(64)));
+  uint16_t P[16][16] __attribute__((aligned(64)));
+  float alpha[16];
+  for (int64_t i0 = 0; i0 < nact;) {  /* act ascends: the groups of 16 vectors holding an active one, in order */
+    const int64_t g = act[i0] / 16;
+    int64_t i1 = i0;
+    while (i1 < nact && act[i1] / 16 == g) i1++;
+    _tile_zero(0);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      _tile_loadd(4, k->Qb + 16 * g * D + d0, D * 2);
+      _tile_loadd(5, Kt + d0 * CH, 64);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, S, 64);
+    memset(P, 0, sizeof P);  /* inactive vectors: P = 0 (their outputs are not taken) */
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t v = act[i], u = v - 16 * g, row = v / G;
+      __m512 x = full ? _mm512_load_ps(S[u]) : _mm512_add_ps(_mm512_load_ps(S[u]), _mm512_loadu_ps(vis[row]));
+      const float mx = _mm512_reduce_max_ps(x);
+      const float m_new = mx > m[v] ? mx : m[v];
+      x = _mm512_max_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.0f));
+      const __m512 e = full ? exp16(x) : _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[row]));
+      alpha[u] = exp_neg(m[v] - m_new);  /* m[v] = -inf the first time: 0 */
+      l[v] = l[v] * alpha[u] + _mm512_reduce_add_ps(e);
+      m[v] = m_new;
+      _mm256_store_si256((__m256i*)P[u], (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    _tile_loadd(6, P, 32);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  /* four 16-dim blocks at a time (two where 32 dims are left) */
+      const int four = D - d0 >= 64;
+      _tile_zero(0); _tile_zero(1);
+      _tile_loadd(7, Vp + (d0 / 16) * 256, 64);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(7, Vp + (d0 / 16 + 1) * 256, 64);
+      _tile_dpbf16ps(1, 6, 7);
+      if (four) {
+        _tile_zero(2); _tile_zero(3);
+        _tile_loadd(7, Vp + (d0 / 16 + 2) * 256, 64);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, Vp + (d0 / 16 + 3) * 256, 64);
+        _tile_dpbf16ps(3, 6, 7);
+      }
+      _tile_stored(0, &O[0][d0], D * 4); _tile_stored(1, &O[0][d0 + 16], D * 4);
+      if (four) { _tile_stored(2, &O[0][d0 + 32], D * 4); _tile_stored(3, &O[0][d0 + 48], D * 4); }
+    }
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t v = act[i], u = v - 16 * g;
+      const __m512 al = _mm512_set1_ps(alpha[u]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc[v] + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc[v] + d), al, _mm512_loadu_ps(O[u] + d)));
+    }
+    i0 = i1;
+  }
+}
+#endif
 
 /* One chunk of n <= CH keys at element offsets offs[] (K half; V is at + v_off - k_off) for the active query
    vectors act[0..nact): vis / keep per block row (a 0 / -inf score offset and a 1 / 0 probability factor), or
@@ -269,6 +434,12 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
   float* m = k->m;
   float* l = k->l;
   int64_t voff[CH];  /* the fast path's V rows, read in place */
+#ifdef ATTN_AMX
+  if (k->amx) {
+    run_chunk_amx(k, offs, n, vis, keep, full, act, nact);
+    return;
+  }
+#endif
 #if defined(__AVX512F__) && CH == 16
   if (k->fast) {  /* K as rows or transposed (CHUNK_KERNEL), dims in load_v's order; V read in place */
     const float (*KR)[D] = 0;
@@ -345,7 +516,7 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
    c + j - prefix. A tree row then meets its keys in the chunks and lanes a decode row at its position meets them
    (the same sums in the same order), so a verify row equals the decode step over the same prefix bit for bit,
    in bf16 too; reading by slot, a node in a sibling's slot summed its softmax lanes in another order. */
-static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr) {
+static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_t nr, int amx, int* tile_rows) {
   const int64_t D = a->D, G = a->Hq / a->Hkv, V = nr * G;  /* V query vectors: row-major (row, group head) */
   const int64_t q_start = a->qo_indptr[b], q_len = a->qo_indptr[b + 1] - q_start, kv_len = a->kv_lens[b];
   int64_t width = q_len;  /* the tail block of KV positions the mask governs; before it everything is visible */
@@ -358,14 +529,18 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
   float Q[V][D] __attribute__((aligned(64)));  /* the block's queries, RoPE'd and scaled */
   float acc[V][D] __attribute__((aligned(64)));
   float m[V], l[V];
-  float KT[D][CH] __attribute__((aligned(64)));  /* a chunk's keys, transposed: scores vectorise over keys */
-  float Vc[CH][D] __attribute__((aligned(64)));  /* the generic path's fp32 V rows */
+  float KT[D][CH] __attribute__((aligned(64)));  /* a chunk's keys, transposed: scores vectorise over keys (AMX:
+                                                    its K^T and V tiles, bf16) */
+  float Vc[CH][D] __attribute__((aligned(64)));  /* the generic path's fp32 V rows (AMX: a group's P.V) */
 #if defined(__AVX512F__) && CH == 16
   const int fast = D == 64 || D == 128;
 #else
   const int fast = 0;
 #endif
-  const Block k = {a, D, G, fast, fast && a->dt == 1, &Q[0][0], &acc[0][0], m, l, &KT[0][0], &Vc[0][0]};
+  const int64_t Vpad = amx ? (V + 15) / 16 * 16 : 1;
+  uint16_t Qb[Vpad][D] __attribute__((aligned(64)));
+  const Block k = {a, D, G, fast, fast && a->dt == 1 && !amx, amx, &Q[0][0], &Qb[0][0], &acc[0][0], m, l,
+                   &KT[0][0], &Vc[0][0]};
   int64_t last = 0;  /* one past the last position any row of the block sees */
   for (int64_t i = 0; i < nr; i++) {
     int64_t row = r0 + i, t = q_start + row;
@@ -385,29 +560,22 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     int64_t end = tree ? kv_len : prefix + row + 1;
     if (end > last) last = end;
   }
+#ifdef ATTN_AMX
+  if (amx) {
+    for (int64_t v = 0; v < Vpad; v++)
+      for (int64_t d = 0; d < D; d++) Qb[v][d] = v < V ? f32_bf16(Q[v][d]) : 0;
+    const int rows = V < 16 ? (int)V : 16;  /* a decode row's 3 vectors: 3-row tiles (a row's result is the same) */
+    if (*tile_rows != rows) attn_amx_configure(*tile_rows = rows);
+  }
+#endif
   /* the chunks every row reads by slot: all of them, or with a tree those wholly before `prefix` */
   const int64_t shared = tree ? (prefix / CH) * CH : last;
-  int64_t offs[CH], next[CH];
-  chunk_slots(a, b, h, 0, shared < CH ? shared : CH, offs);
+  int64_t offs[CH];
+  for (int64_t c = CH; c < shared && c < PF_AHEAD * CH; c += CH) prefetch_chunk(a, b, h, c, shared);
   for (int64_t c = 0; c < shared; c += CH) {
-    if (c > 0) memcpy(offs, next, sizeof offs);  /* walked (and prefetched) by the chunk before */
     const int64_t n = (shared - c < CH) ? shared - c : CH;
-    const int64_t n2 = (shared - c - CH < CH) ? shared - c - CH : CH;  /* the next chunk's positions */
-    if (n2 > 0) {
-      /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
-         rows now, while this chunk computes (a hint only; it changes no result). Into L2 (prefetcht2): into L1
-         (prefetcht0) a chunk's 64 lines outran the core's L1 miss buffers and the kernel waited on its K loads
-         (a b32 decode step's attention over 350 positions: 31 ms, 25 ms with this hint; further ahead than one
-         chunk read no faster) */
-      chunk_slots(a, b, h, c + CH, n2, next);
-      const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
-      const char* pool = (const char*)a->pool;
-      for (int64_t j = 0; j < n2; j++)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          __builtin_prefetch(pool + (next[j] + a->k_off) * esize + byte, 0, 1);
-          __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 1);
-        }
-    }
+    chunk_slots(a, b, h, c, n, offs);
+    if (c + PF_AHEAD * CH < shared) prefetch_chunk(a, b, h, c + PF_AHEAD * CH, shared);
     /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the
        probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
     float vis[nr][CH], keep[nr][CH];
@@ -430,7 +598,7 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
       }
       if (any) for (int64_t g = 0; g < G; g++) act[nact++] = i * G + g;
     }
-    run_chunk(&k, offs, n, (const float (*)[CH])vis, (const float (*)[CH])keep, full, act, nact);
+    if (nact) run_chunk(&k, offs, n, (const float (*)[CH])vis, (const float (*)[CH])keep, full, act, nact);
   }
   if (tree) {  /* from the chunk holding `prefix` on: each row its own keys, by position */
     for (int64_t i = 0; i < nr; i++) {
@@ -530,7 +698,15 @@ int specpd_attention(int dt,
     items = 0;
     for (int64_t b = 0; b < B; b++) items += Hkv * ((qo_indptr[b + 1] - qo_indptr[b] + rb - 1) / rb);
   }
-  #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work > 1024)
+#ifdef ATTN_AMX
+  const int amx = attn_use_amx && dt == 1 && D % 32 == 0;
+#else
+  const int amx = 0;
+#endif
+  #pragma omp parallel if (items > 1 && work > 1024)
+  {
+  int tile_rows = 0;  /* this thread's tile configuration: the vector rows of a group (0: none yet) */
+  #pragma omp for schedule(dynamic, 1)
   for (int64_t it = 0; it < items; it++) {
     int64_t rest = it, b = 0;
     for (; b < B; b++) {
@@ -541,7 +717,11 @@ int specpd_attention(int dt,
     int64_t ql = qo_indptr[b + 1] - qo_indptr[b];
     int64_t blocks = (ql + rb - 1) / rb, h = rest / blocks, blk = rest % blocks;
     int64_t r0 = blk * rb, nr = (ql - r0 < rb) ? ql - r0 : rb;
-    attend_block(&a, b, h, r0, nr);
+    attend_block(&a, b, h, r0, nr, amx, &tile_rows);
+  }
+#ifdef ATTN_AMX
+  if (tile_rows) _tile_release();
+#endif
   }
   return 0;
 }

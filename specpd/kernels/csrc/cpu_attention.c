@@ -21,8 +21,7 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define ATTN_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 #define CH 16
@@ -241,28 +240,20 @@ CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
    rounds apart from the vector path. */
 static int attn_use_amx = 0;
 
-/* Ask Linux for the AMX tile state (per process) and use it when `on`; returns whether it is used. */
+/* Use the AMX tiles when `on` and Linux grants their state; returns whether they are used. */
 int specpd_attention_use_amx(int on) {
-  attn_use_amx = on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  attn_use_amx = on && amx_request();
   return attn_use_amx;
 }
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} __attribute__((packed, aligned(64))) attn_tile_config;
-
-/* the tiles run_chunks_amx uses (see there) */
+/* the tiles run_chunk_amx uses (see there); mr: a group's vector rows */
 static void attn_amx_configure(int mr) {
-  attn_tile_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
+  int rows[8], colsb[8];
   for (int t = 0; t < 8; t++) {
-    c.rows[t] = t == 7 ? 8 : t == 5 ? 16 : mr;
-    c.colsb[t] = t == 6 ? 32 : 64;
+    rows[t] = t == 7 ? 8 : t == 5 ? 16 : mr;
+    colsb[t] = t == 6 ? 32 : 64;
   }
-  _tile_loadconfig(&c);
+  amx_load_config(rows, colsb);
 }
 
 /* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */

@@ -27,8 +27,7 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SPECPD_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 int specpd_gemm_bf16_available(void) {
@@ -102,28 +101,20 @@ static const tile_fn TILE1[MR_MAX + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_
 #ifdef SPECPD_AMX
 static int use_amx = 0;
 
-/* Ask Linux for the AMX tile state (per process, Linux 5.16+) and use it when `on`; returns whether it is used. */
+/* Use the AMX tiles when `on` and Linux grants their state; returns whether they are used. */
 int specpd_gemm_bf16_use_amx(int on) {
-  use_amx = on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  use_amx = on && amx_request();
   return use_amx;
 }
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} __attribute__((packed, aligned(64))) tile_config;
-
 /* tmm0..3: four column blocks' fp32 sums (mr x 16); tmm4: x, mr rows x 32 inputs; tmm5..7: weight tiles. */
 static void amx_configure(int mr) {
-  tile_config c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
+  int rows[8], colsb[8];
   for (int t = 0; t < 8; t++) {
-    c.rows[t] = t < 5 ? mr : 16;
-    c.colsb[t] = 64;
+    rows[t] = t < 5 ? mr : 16;
+    colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  amx_load_config(rows, colsb);
 }
 
 /* store_bf16 over sums[mr][64] (nb blocks of 16 columns), as the vector path's tiles end */

@@ -139,6 +139,10 @@ class DecodeControl(ControlThread):
         self._pinged: dict[str, float] = {}
         self._sent: dict[int, float] = {}  # heartbeat seq -> monotonic send time
         self._seq = 0
+        # P's endpoint -> when the oldest ping it has not answered went out (any message from P answers it)
+        self.unanswered: dict[str, float] = {}
+        self.ticked = time.monotonic()  # the control thread's last tick: it had read every message before it
+        self.stalled_s = worker.heartbeat_timeout_s / 2  # a gap between ticks this long: this thread was stalled
 
     def _peer_sockets(self):
         return [(sock, endpoint) for endpoint, sock in self.sockets.items()]
@@ -179,6 +183,7 @@ class DecodeControl(ControlThread):
     def _on_peer(self, sock, endpoint: bytes, msg, arrived_at: float) -> None:
         name = endpoint.decode()
         self.heard[name] = arrived_at
+        self.unanswered.pop(name, None)
         if isinstance(msg, Heartbeat):
             sent = self._sent.pop(msg.seq, None)
             if sent is not None:
@@ -197,22 +202,37 @@ class DecodeControl(ControlThread):
         if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
             self._drop_socket(frames[1])
             self._pinged.pop(frames[1].decode(), None)
+            self.unanswered.pop(frames[1].decode(), None)
             self.lost.pop(frames[1].decode(), None)
 
     def _tick(self, now: float) -> None:
         self._read_monitors(now)
+        if now - self.ticked > self.stalled_s:  # this thread was stalled (our process, our VM): so was P's reply
+            for endpoint in self.unanswered:
+                self.unanswered[endpoint] = now
+        self.ticked = now
         for endpoint in self.owing:
             if now - self._pinged.get(endpoint, 0.0) < self.interval_s:
                 continue
             self._seq += 1
             self._pinged[endpoint] = now
             self._sent[self._seq] = now
+            self.unanswered.setdefault(endpoint, now)
             if len(self._sent) > 10000:  # pings a dead P never answered
                 self._sent = dict(list(self._sent.items())[-1000:])
             self._deliver(endpoint.encode(), encode(Heartbeat(self.name, self._seq, time.time())), None)
 
     def _wait_s(self) -> float:
         return min(CONTROL_TICK_S, self.interval_s)
+
+    def silent_s(self, endpoint: str) -> float:
+        """How long P has left a ping unanswered, on this thread's clock: from the oldest unanswered ping to
+        the last tick, before which every message that had arrived was read. A stall of this process (the GIL,
+        the CPU, a descheduled VM) stalls the pings and the ticks alike: a tick that finds itself half a
+        heartbeat timeout after the last one restarts the clock of the pings still out, so it never reads as
+        P's silence."""
+        sent = self.unanswered.get(endpoint)
+        return 0.0 if sent is None else max(0.0, self.ticked - sent)
 
     def _close_sockets(self) -> None:
         for endpoint in list(self.sockets):

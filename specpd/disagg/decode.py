@@ -25,7 +25,8 @@ Timeouts (the client gets an error at once, then the pages follow the abort rule
 prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) and waiting for the transfer
 (`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`, control.py) pings
 every P that owes it rooms each HEARTBEAT_INTERVAL_S and stamps every message from P on its own clock, so
-D's own long engine step never reads as P's silence. P's control thread answers with its load: a busy P
+D's own long engine step never reads as P's silence; P's silence is counted from its oldest unanswered ping to
+the control thread's last tick (`DecodeControl.silent_s`), so neither does a stall of D's whole process. P's control thread answers with its load: a busy P
 answers, and only the prefill / transfer timeouts bound its rooms. A P silent for `heartbeat_timeout_s`
 fails its rooms; if its bootstrap port refuses connections, or now names another control endpoint (P was
 restarted), the process is gone and the rooms' pages are freed at once.
@@ -263,13 +264,13 @@ class DecodeWorker(DisaggWorker):
         self.control.owing = frozenset(owing)  # the control thread pings these
         for endpoint in owing:
             waiting = [r for r in self.transfer_queue.values() if r.route.zmq_endpoint == endpoint]
-            since = max([self.control.heard.get(endpoint, 0.0), self._silent_since.get(endpoint, 0.0)]
-                        + [r.sent_at for r in waiting])
-            if now - since <= self.heartbeat_timeout_s:
+            since = max([self._silent_since.get(endpoint, 0.0)] + [r.sent_at for r in waiting])
+            silent = self.control.silent_s(endpoint)
+            if now - since <= self.heartbeat_timeout_s or silent <= self.heartbeat_timeout_s:
                 continue
             gone = _prefill_gone(waiting[0].info, endpoint)
             error = (f"prefill server {endpoint} is {'gone' if gone else 'not answering'}: no heartbeat "
-                     f"for {now - since:.1f} s")
+                     f"for {silent:.1f} s")
             self._forget_route(endpoint)
             for room in waiting:
                 if gone:  # nothing can still write into these pages

@@ -29,7 +29,6 @@
 #define DMAX 256
 #define GMAX 16
 #define ROW_PATH_VECTORS 8  /* a chunk's scores from K rows up to this many query vectors, else transposed K */
-#define PF_AHEAD 1  /* chunks prefetched ahead of the one computed (prefetch_chunk) */
 #define NV 4  /* query vectors sharing each K / V load (AVX-512 path) */
 
 #include "dtypes.h"
@@ -291,24 +290,6 @@ static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, i
   }
 }
 
-/* the pages are scattered, so no hardware prefetcher sees the coming chunks: ask for chunk c's K and V rows
-   PF_AHEAD chunks before they are read (a hint only; it changes no result). Into L2 (prefetcht2): into L1
-   (prefetcht0) a chunk's 64 lines outran the core's L1 miss buffers and the kernel waited on its K loads (a b32
-   decode step's attention over 350 positions: 31 ms, 25 ms with this hint one chunk ahead). Two or four chunks
-   ahead, or into L1, read no faster on the AMX path either (an AMX Xeon). */
-static void prefetch_chunk(const Args* a, int64_t b, int64_t h, int64_t c, int64_t shared) {
-  int64_t offs[CH];
-  const int64_t n = shared - c < CH ? shared - c : CH;
-  chunk_slots(a, b, h, c, n, offs);
-  const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = a->D * esize;
-  const char* pool = (const char*)a->pool;
-  for (int64_t j = 0; j < n; j++)
-    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-      __builtin_prefetch(pool + (offs[j] + a->k_off) * esize + byte, 0, 1);
-      __builtin_prefetch(pool + (offs[j] + a->v_off) * esize + byte, 0, 1);
-    }
-}
-
 /* What one work item's chunks share: its queries (RoPE'd, scaled), online-softmax state and scratch. */
 typedef struct {
   const Args* a;
@@ -561,12 +542,27 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
 #endif
   /* the chunks every row reads by slot: all of them, or with a tree those wholly before `prefix` */
   const int64_t shared = tree ? (prefix / CH) * CH : last;
-  int64_t offs[CH];
-  for (int64_t c = CH; c < shared && c < PF_AHEAD * CH; c += CH) prefetch_chunk(a, b, h, c, shared);
+  int64_t offs[CH], next[CH];
+  chunk_slots(a, b, h, 0, shared < CH ? shared : CH, offs);
   for (int64_t c = 0; c < shared; c += CH) {
+    if (c > 0) memcpy(offs, next, sizeof offs);  /* walked (and prefetched) by the chunk before */
     const int64_t n = (shared - c < CH) ? shared - c : CH;
-    chunk_slots(a, b, h, c, n, offs);
-    if (c + PF_AHEAD * CH < shared) prefetch_chunk(a, b, h, c + PF_AHEAD * CH, shared);
+    const int64_t n2 = (shared - c - CH < CH) ? shared - c - CH : CH;  /* the next chunk's positions */
+    if (n2 > 0) {
+      /* the pages are scattered, so no hardware prefetcher sees the next chunk coming: ask for its K and V
+         rows now, while this chunk computes (a hint only; it changes no result). Into L2 (prefetcht2): into L1
+         (prefetcht0) a chunk's 64 lines outran the core's L1 miss buffers and the kernel waited on its K loads
+         (a b32 decode step's attention over 350 positions: 31 ms, 25 ms with this hint; further ahead than one
+         chunk read no faster, on the AMX path too) */
+      chunk_slots(a, b, h, c + CH, n2, next);
+      const int64_t esize = a->dt == 0 ? 4 : 2, row_bytes = D * esize;
+      const char* pool = (const char*)a->pool;
+      for (int64_t j = 0; j < n2; j++)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          __builtin_prefetch(pool + (next[j] + a->k_off) * esize + byte, 0, 1);
+          __builtin_prefetch(pool + (next[j] + a->v_off) * esize + byte, 0, 1);
+        }
+    }
     /* visible keys of each row in the chunk: vis 0 / -inf added to the scores, keep 1 / 0 multiplying the
        probabilities (a masked key's weight is exactly 0, whatever exp gives for -inf) */
     float vis[nr][CH], keep[nr][CH];

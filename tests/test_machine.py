@@ -2,7 +2,7 @@
 import pytest
 
 from specpd.machine import (HUGE_PAGE, MADV_COLLAPSE, _interior, _madvise, advise_huge_pages, collapse_huge_pages,
-                            default_dtype, default_threads, isa, split_cores, usable_cores)
+                            default_dtype, default_threads, first_touch_on_huge_pages, isa, split_cores, usable_cores)
 
 
 @pytest.mark.parametrize("cores,p,d,want", [
@@ -67,6 +67,41 @@ def test_the_kv_pool_starts_zeroed_on_huge_pages():
         assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE, "the pool's 22 MiB got no huge page"
 
 
+@pytest.mark.parametrize("slow_from", [None, 1])
+def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, slow_from):
+    """Chunks of 4 MiB on a clock that only the touches move; the touch of chunk `slow_from` takes as long as a
+    compacting kernel's would: the rest of the memory is written on 4 KB pages (MADV_NOHUGEPAGE), every byte
+    written either way."""
+    import torch
+    import specpd.machine as machine
+    monkeypatch.setattr(machine, "HUGE_PAGE_CHUNK", 2 * HUGE_PAGE)
+    clock = [0.0]
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
+    import mmap
+    region = mmap.mmap(-1, 9 * HUGE_PAGE)  # never touched (an allocator may hand out memory already faulted in)
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    chunks = []
+
+    def touch(at, n):
+        slow = slow_from is not None and len(chunks) == slow_from
+        clock[0] += (1.5 if slow else 0.5) * n / machine.HUGE_PAGE_MIN_RATE
+        chunks.append((at, n))
+        t[at:at + n].fill_(3)
+
+    got = first_touch_on_huge_pages(t.data_ptr(), t.numel(), touch)
+    assert int(t.sum()) == 3 * t.numel()  # every byte once
+    assert sorted(chunks) == chunks and sum(n for _, n in chunks) == t.numel()
+    if _thp_mode() in (None, "never"):
+        assert got == 0 and chunks == [(0, t.numel())]
+        return
+    if slow_from is None:
+        assert got == t.numel() and len(chunks) == 5
+    else:  # two chunks on huge pages, then the rest in one
+        assert got == 4 * HUGE_PAGE and chunks[-1] == (4 * HUGE_PAGE, 5 * HUGE_PAGE)
+        tail = _interior(t.data_ptr() + 5 * HUGE_PAGE, 2 * HUGE_PAGE)[0]
+        assert _huge_kb_at(tail) == 0, "the memory after the slow chunk was still given huge pages"
+
+
 def _huge_kb_at(address: int) -> int:
     """AnonHugePages (kB) of the mapping holding `address` (/proc/self/smaps)."""
     inside = False
@@ -102,3 +137,20 @@ def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert _huge_kb_at(_interior(model[1].weight.data_ptr(), 2 * HUGE_PAGE)[0]) * 1024 >= HUGE_PAGE
     assert collapse_huge_pages([(HUGE_PAGE + 1, 2 * HUGE_PAGE)]) == 0  # no whole huge page inside
+
+
+def test_collapsing_stops_at_the_first_chunk_slower_than_the_rate(monkeypatch):
+    """Every chunk reads as slow (a rate no kernel meets): one chunk is collapsed, the rest left as it is."""
+    import os
+    import torch
+    import specpd.machine as machine
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if release < (6, 1) or _thp_mode() in (None, "never"):
+        pytest.skip("no MADV_COLLAPSE here (Linux < 6.1, or THP off)")
+    monkeypatch.setattr(machine, "HUGE_PAGE_CHUNK", HUGE_PAGE)
+    monkeypatch.setattr(machine, "HUGE_PAGE_MIN_RATE", 1 << 60)
+    t = torch.ones(6 * HUGE_PAGE, dtype=torch.uint8)
+    got = collapse_huge_pages([(t.data_ptr(), t.data_ptr() + t.numel())])
+    if got == 0:
+        pytest.skip("no free huge page to collapse into now")
+    assert got == HUGE_PAGE and int(t.sum()) == t.numel()

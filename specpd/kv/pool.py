@@ -16,7 +16,7 @@ import torch
 
 from specpd.config import ModelConfig
 from specpd.kv.allocator import PageAllocator
-from specpd.machine import advise_huge_pages
+from specpd.machine import first_touch_on_huge_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,10 +35,10 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_pages, kv_heads * (num_layers + extra_layers) * 2 * page_size * head_dim)
-        if torch.device(device).type == "cpu":  # huge pages under it before it is touched (advise_huge_pages)
+        if torch.device(device).type == "cpu":  # zeroed on huge pages while they come cheap (machine.py)
             self.storage = torch.empty(shape, dtype=dtype)
-            advise_huge_pages(self.storage.data_ptr(), self.storage.numel() * self.storage.element_size())
-            self.storage.zero_()
+            flat = self.storage.view(-1).view(torch.uint8)
+            first_touch_on_huge_pages(flat.data_ptr(), flat.numel(), lambda at, n: flat[at:at + n].zero_())
         else:
             self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.buffer = self._view(0, num_layers)

@@ -1,6 +1,7 @@
 """Where a round at depth 0 spends its time, against non-spec: timers around the engine's parts.
 
 `python evals/profile_depth0.py --configs non_spec hybrid mtp_hybrid random_hybrid --batch 8 --reps 3`
+(`--workload grounded`: the grounded rewrite's long prompts instead of chat's)
   -> evals/results/profile_depth0.json
 in the configuration a server takes on this machine (dtype, threads: specpd.machine), or `--dtype float32
 --threads 1` as the earlier runs were made.
@@ -28,7 +29,7 @@ import time
 import torch
 
 from common import log, machine_info, versions, write_json
-from spec_workloads import chat_prompts, configs, lockstep_run
+from spec_workloads import WORKLOADS, configs, lockstep_run
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from specpd.core import SamplingParams
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--workload", default="chat", choices=sorted(WORKLOADS),
+                    help="the prompts (spec_workloads.py): held-out chat, or the grounded rewrite's long inputs")
     ap.add_argument("--closed-loop", type=int, default=0, metavar="N",
                     help="N prompts a rep through --batch clients (a closed loop), not --batch at once")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
@@ -109,7 +112,7 @@ def main() -> None:
     timers = {n: instrument(e, clock) for n, e in engines.items()}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
     per_rep = args.closed_loop or args.batch
-    prompts = chat_prompts(ckpt.tokenizer, per_rep * (args.reps + 1))
+    prompts = WORKLOADS[args.workload](ckpt.tokenizer, per_rep * (args.reps + 1))
     loop = args.batch if args.closed_loop else None
     lockstep_run(engines, prompts[:per_rep], params, "warm", clock, loop)
     for totals, counts in timers.values():

@@ -69,7 +69,8 @@ def first_touch_on_huge_pages(address: int, nbytes: int, touch) -> int:
     """Write fresh memory [address, address + nbytes) for the first time on huge pages while they come cheap:
     MADV_HUGEPAGE, then `touch(offset, length)` (the caller's write of those bytes) chunk by chunk; once a chunk
     is slower than HUGE_PAGE_MIN_RATE (the kernel compacting memory for every huge page), the rest is touched on
-    4 KB pages (MADV_NOHUGEPAGE). Returns the bytes touched with huge pages asked for."""
+    4 KB pages (MADV_NOHUGEPAGE), then advised again for khugepaged to collapse in its own time. Returns the bytes
+    touched with huge pages asked for."""
     start, length = _interior(address, nbytes)
     if advise_huge_pages(address, nbytes) == 0:
         touch(0, nbytes)
@@ -87,6 +88,7 @@ def first_touch_on_huge_pages(address: int, nbytes: int, touch) -> int:
             logger.info("huge pages: %d of %d MiB, then 4 KB pages (the kernel was compacting memory)",
                         pos >> 20, nbytes >> 20)
             touch(pos, nbytes - pos)
+            _madvise(rest, start + length - rest, MADV_HUGEPAGE)  # khugepaged may collapse it later, unwaited
             return pos
     return nbytes
 

@@ -82,10 +82,14 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
     t = torch.frombuffer(region, dtype=torch.uint8)
     chunks = []
 
+    tail = _interior(t.data_ptr() + 5 * HUGE_PAGE, 2 * HUGE_PAGE)[0]
+    flags_then = []
+
     def touch(at, n):
         slow = slow_from is not None and len(chunks) == slow_from
         clock[0] += (1.5 if slow else 0.5) * n / machine.HUGE_PAGE_MIN_RATE
         chunks.append((at, n))
+        flags_then.append(_vm_flags_at(tail))
         t[at:at + n].fill_(3)
 
     got = first_touch_on_huge_pages(t.data_ptr(), t.numel(), touch)
@@ -96,10 +100,25 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
         return
     if slow_from is None:
         assert got == t.numel() and len(chunks) == 5
-    else:  # two chunks on huge pages, then the rest in one
+    else:  # two chunks on huge pages, then the rest in one, written on 4 KB pages ("nh"), advised again after
         assert got == 4 * HUGE_PAGE and chunks[-1] == (4 * HUGE_PAGE, 5 * HUGE_PAGE)
-        tail = _interior(t.data_ptr() + 5 * HUGE_PAGE, 2 * HUGE_PAGE)[0]
-        assert _huge_kb_at(tail) == 0, "the memory after the slow chunk was still given huge pages"
+        assert "nh" in flags_then[-1] and "hg" not in flags_then[-1], flags_then
+        assert "hg" in _vm_flags_at(tail)
+    assert all("hg" in f for f in flags_then[:2]), flags_then
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    """VmFlags of the mapping holding `address` (/proc/self/smaps): "hg" MADV_HUGEPAGE, "nh" MADV_NOHUGEPAGE."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
 
 
 def _huge_kb_at(address: int) -> int:

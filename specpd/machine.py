@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 import time
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_COLLAPSE = 14, 15, 25  # <linux/mman.h>; MA
 # HUGE_PAGE_MIN_RATE bytes/s (4-5x below a plain first touch on a loaded box) ends the huge pages there.
 HUGE_PAGE_CHUNK = 32 << 20
 HUGE_PAGE_MIN_RATE = 512 << 20
+# what start-up left on 4 KB pages, for collapse_later_in_background: [(start, end)]
+_later: list[tuple[int, int]] = []
+_later_lock = threading.Lock()
 
 
 def advise_huge_pages(address: int, nbytes: int) -> int:
@@ -88,7 +92,9 @@ def first_touch_on_huge_pages(address: int, nbytes: int, touch) -> int:
             logger.info("huge pages: %d of %d MiB, then 4 KB pages (the kernel was compacting memory)",
                         pos >> 20, nbytes >> 20)
             touch(pos, nbytes - pos)
-            _madvise(rest, start + length - rest, MADV_HUGEPAGE)  # khugepaged may collapse it later, unwaited
+            if _madvise(rest, start + length - rest, MADV_HUGEPAGE) == 0:  # collapse_later_in_background
+                with _later_lock:
+                    _later.append((rest, start + length))
             return pos
     return nbytes
 
@@ -117,8 +123,42 @@ def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
             if (time.perf_counter() - t0) * HUGE_PAGE_MIN_RATE > n:
                 logger.info("huge pages: %d MiB of weights collapsed, then stopped (the kernel was compacting "
                             "memory)", done >> 20)
+                with _later_lock:
+                    _later.append((pos + n, first + length))
+                    for m in merged:
+                        s, ln = _interior(m[0], m[1] - m[0])
+                        if m[0] >= end and ln:
+                            _later.append((s, s + ln))
                 return done
     return done
+
+
+def collapse_later_in_background(duty: float = 0.5) -> threading.Thread | None:
+    """Collapse onto huge pages, in a daemon thread, what start-up left on 4 KB pages (first_touch_on_huge_pages,
+    collapse_huge_pages) once the server is up: one chunk at a time, each followed by a pause so that the thread
+    compacts at most `duty` of a core. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step
+    on the AMX Xeon); khugepaged alone would take ~20 min for the default model's (16 MiB per 10 s). None when
+    there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
+    the kernel keeps the memory's contents through a collapse."""
+    with _later_lock:
+        spans, _later[:] = list(_later), []
+    if not spans or os.environ.get("SPECPD_HUGE_PAGES_LATER", "1") == "0":
+        return None
+
+    def run():
+        done = 0
+        for start, end in spans:
+            for pos in range(start, end, HUGE_PAGE_CHUNK):
+                n = min(HUGE_PAGE_CHUNK, end - pos)
+                t0 = time.perf_counter()
+                if _madvise(pos, n, MADV_COLLAPSE) == 0:
+                    done += n
+                time.sleep((time.perf_counter() - t0) * (1 - duty) / duty)
+        logger.info("huge pages: %d MiB collapsed after start-up", done >> 20)
+
+    thread = threading.Thread(target=run, name="specpd-huge-pages", daemon=True)
+    thread.start()
+    return thread
 
 
 def _interior(address: int, nbytes: int) -> tuple[int, int]:

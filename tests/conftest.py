@@ -6,6 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+# no collapse onto huge pages after start-up in the suite's engines and servers (specpd/machine.py): a thread
+# compacting memory beside a test's timings would be another test's noise; tests/test_machine.py turns it on
+os.environ.setdefault("SPECPD_HUGE_PAGES_LATER", "0")
 # `--dtype auto` (the default) is bfloat16 on a CPU with AMX / AVX512-BF16: the suite's references are fp32 (HF
 # transformers, the unified engine), so the suite pins what auto means; tests of the machine default clear it
 os.environ.setdefault("SPECPD_AUTO_DTYPE", "float32")

@@ -78,7 +78,7 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
     clock = [0.0]
     monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
     import mmap
-    region = mmap.mmap(-1, 9 * HUGE_PAGE)  # never touched (an allocator may hand out memory already faulted in)
+    region = mmap.mmap(-1, 9 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # never touched (an allocator may hand out memory already faulted in)
     t = torch.frombuffer(region, dtype=torch.uint8)
     chunks = []
 
@@ -93,6 +93,7 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
         t[at:at + n].fill_(3)
 
     got = first_touch_on_huge_pages(t.data_ptr(), t.numel(), touch)
+    machine._later.clear()  # (left for collapse_later_in_background: not this test's)
     assert int(t.sum()) == 3 * t.numel()  # every byte once
     assert sorted(chunks) == chunks and sum(n for _, n in chunks) == t.numel()
     if _thp_mode() in (None, "never"):
@@ -173,3 +174,44 @@ def test_collapsing_stops_at_the_first_chunk_slower_than_the_rate(monkeypatch):
     if got == 0:
         pytest.skip("no free huge page to collapse into now")
     assert got == HUGE_PAGE and int(t.sum()) == t.numel()
+
+
+def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(monkeypatch):
+    """A first touch that gave up on huge pages after its first (slow) chunk leaves the rest for later; the
+    background thread collapses it, contents unchanged, and leaves nothing for a second call."""
+    import mmap
+    import os
+    import torch
+    import specpd.machine as machine
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    if release < (6, 1) or _thp_mode() in (None, "never"):
+        pytest.skip("no MADV_COLLAPSE here (Linux < 6.1, or THP off)")
+    monkeypatch.setattr(machine, "HUGE_PAGE_CHUNK", 2 * HUGE_PAGE)
+    monkeypatch.setenv("SPECPD_HUGE_PAGES_LATER", "1")
+    machine._later.clear()  # (what other tests' first touches left: memory long freed)
+    clock, real_clock = [0.0], machine.time.perf_counter
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
+    region = mmap.mmap(-1, 9 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(region, dtype=torch.uint8)
+
+    def touch(at, n):  # every chunk slow: the first on huge pages, the rest on 4 KB pages
+        clock[0] += 2.0 * n / machine.HUGE_PAGE_MIN_RATE
+        t[at:at + n].copy_(torch.arange(at, at + n, dtype=torch.int64).remainder(251).to(torch.uint8))
+
+    assert first_touch_on_huge_pages(t.data_ptr(), t.numel(), touch) == 2 * HUGE_PAGE
+    tail = _interior(t.data_ptr() + 5 * HUGE_PAGE, 2 * HUGE_PAGE)[0]
+    before = _huge_kb_at(tail)  # (the mapping, one again once the rest is advised: the first chunk's at most)
+    assert before <= 2 * HUGE_PAGE // 1024
+    monkeypatch.setattr(machine.time, "perf_counter", real_clock)  # the real clock for the thread's pacing
+    thread = machine.collapse_later_in_background()
+    assert thread is not None
+    thread.join(60)
+    assert machine.collapse_later_in_background() is None  # nothing left
+    after = _huge_kb_at(tail)
+    if after == before:  # the kernel may have no free huge page to give right now: that, and nothing else
+        import ctypes
+        import errno
+        if _madvise(tail, HUGE_PAGE, MADV_COLLAPSE) != 0 and ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
+            pytest.skip("no free huge page to collapse into now")
+    assert after >= before + 5 * HUGE_PAGE // 1024, (before, after)  # the rest: 6 or 7 whole huge pages
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))

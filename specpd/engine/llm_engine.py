@@ -28,6 +28,7 @@ from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
+from specpd.machine import collapse_later_in_background
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class LLMEngine(HandoffHooks):
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
         logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
+        collapse_later_in_background()  # calibrated: what start-up left on 4 KB pages (specpd/machine.py)
 
     # -- public API ------------------------------------------------------------------------
     @property

@@ -133,10 +133,11 @@ def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
     return done
 
 
-def collapse_later_in_background(duty: float = 0.5) -> threading.Thread | None:
+def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thread | None:
     """Collapse onto huge pages, in a daemon thread, what start-up left on 4 KB pages (first_touch_on_huge_pages,
-    collapse_huge_pages) once the server is up: one chunk at a time, each followed by a pause so that the thread
-    compacts at most `duty` of a core. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step
+    collapse_huge_pages) once the server is up, while `idle()` holds (the engine has no request: the collapse
+    never competes with one; a request arriving waits at most for one chunk's collapse, 8 MiB): one chunk at a
+    time, each followed by a pause so that the thread compacts at most `duty` of a core. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step
     on the AMX Xeon); khugepaged alone would take ~20 min for the default model's (16 MiB per 10 s). None when
     there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
     the kernel keeps the memory's contents through a collapse."""
@@ -145,11 +146,15 @@ def collapse_later_in_background(duty: float = 0.5) -> threading.Thread | None:
     if not spans or os.environ.get("SPECPD_HUGE_PAGES_LATER", "1") == "0":
         return None
 
+    chunk = 4 * HUGE_PAGE
+
     def run():
         done = 0
         for start, end in spans:
-            for pos in range(start, end, HUGE_PAGE_CHUNK):
-                n = min(HUGE_PAGE_CHUNK, end - pos)
+            for pos in range(start, end, chunk):
+                while idle is not None and not idle():
+                    time.sleep(0.25)
+                n = min(chunk, end - pos)
                 t0 = time.perf_counter()
                 if _madvise(pos, n, MADV_COLLAPSE) == 0:
                     done += n

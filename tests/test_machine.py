@@ -178,8 +178,10 @@ def test_collapsing_stops_at_the_first_chunk_slower_than_the_rate(monkeypatch):
 
 def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(monkeypatch):
     """A first touch that gave up on huge pages after its first (slow) chunk leaves the rest for later; the
-    background thread collapses it, contents unchanged, and leaves nothing for a second call."""
+    background thread waits while the engine is busy, then collapses it, contents unchanged, and leaves nothing
+    for a second call."""
     import mmap
+    import time
     import os
     import torch
     import specpd.machine as machine
@@ -203,8 +205,12 @@ def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(
     before = _huge_kb_at(tail)  # (the mapping, one again once the rest is advised: the first chunk's at most)
     assert before <= 2 * HUGE_PAGE // 1024
     monkeypatch.setattr(machine.time, "perf_counter", real_clock)  # the real clock for the thread's pacing
-    thread = machine.collapse_later_in_background()
+    busy = [True]
+    thread = machine.collapse_later_in_background(idle=lambda: not busy[0])
     assert thread is not None
+    time.sleep(1.0)
+    assert _huge_kb_at(tail) == before, "collapsed while the engine was busy"
+    busy[0] = False
     thread.join(60)
     assert machine.collapse_later_in_background() is None  # nothing left
     after = _huge_kb_at(tail)

@@ -80,7 +80,8 @@ class LLMEngine(HandoffHooks):
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
         logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
-        collapse_later_in_background()  # calibrated: what start-up left on 4 KB pages (specpd/machine.py)
+        # built and calibrated: what start-up left on 4 KB pages, collapsed while no request waits (machine.py)
+        collapse_later_in_background(idle=lambda: not self.has_unfinished_requests())
 
     # -- public API ------------------------------------------------------------------------
     @property

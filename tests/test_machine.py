@@ -108,8 +108,8 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
     assert all("hg" in f for f in flags_then[:2]), flags_then
 
 
-def _vm_flags_at(address: int) -> list[str]:
-    """VmFlags of the mapping holding `address` (/proc/self/smaps): "hg" MADV_HUGEPAGE, "nh" MADV_NOHUGEPAGE."""
+def _smaps_line(address: int, field: str) -> list[str]:
+    """The words after `field` in /proc/self/smaps for the mapping holding `address` ([] where there is none)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -117,23 +117,19 @@ def _vm_flags_at(address: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
+            elif inside and line.startswith(field + ":"):
                 return line.split()[1:]
     return []
 
 
+def _vm_flags_at(address: int) -> list[str]:
+    """VmFlags of the mapping holding `address`: "hg" MADV_HUGEPAGE, "nh" MADV_NOHUGEPAGE."""
+    return _smaps_line(address, "VmFlags")
+
+
 def _huge_kb_at(address: int) -> int:
-    """AnonHugePages (kB) of the mapping holding `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
+    """AnonHugePages (kB) of the mapping holding `address`."""
+    return int((_smaps_line(address, "AnonHugePages") or [0])[0])
 
 
 def test_written_weights_are_collapsed_onto_huge_pages_unchanged():

@@ -57,14 +57,16 @@ def test_huge_pages_are_asked_for_over_the_aligned_interior_only():
     assert int(t.sum()) == 7 * t.numel()
 
 
-def test_the_kv_pool_starts_zeroed_on_huge_pages():
+def test_the_kv_pool_starts_zeroed_and_asks_for_huge_pages():
     import torch
     from specpd.kv.pool import KVPool
     pool = KVPool(64, 30, 16, 3, 64, torch.bfloat16)
     assert pool.storage.count_nonzero() == 0
     if _thp_mode() in ("madvise", "always"):
+        # asked for: whether the kernel gives them at once is its own (a busy Firecracker guest gave none to
+        # this 22 MiB in one CI run, nor to memory an allocator hands out already faulted in)
         aligned = _interior(pool.storage.data_ptr(), 2 * HUGE_PAGE)[0]  # madvise split the mapping there
-        assert _huge_kb_at(aligned) * 1024 >= HUGE_PAGE, "the pool's 22 MiB got no huge page"
+        assert "hg" in _vm_flags_at(aligned), "the pool's memory was not advised for huge pages"
 
 
 @pytest.mark.parametrize("slow_from", [None, 1])

@@ -306,8 +306,10 @@ def test_real_servers_a_long_prefill_outlasting_the_heartbeat_timeout_fails_noth
             hb = httpx.get(d_url + "/server_info").json()["pd_heartbeat_rtt_ms"]
             print(f"\n3 requests in {elapsed:.2f} s; P's longest prefill step {longest_step:.2f} s; D's heartbeat "
                   f"round trips {hb} (timeout {REAL_HEARTBEAT_TIMEOUT_S:g} s)")
-            # a reply slower than the timeout is what D would take for a dead P
-            assert hb["count"] > 0 and hb["max"] < 1000 * REAL_HEARTBEAT_TIMEOUT_S, hb
+            # P answers while its steps run (a P whose control thread waited on the engine would answer in ~its
+            # step times); a round trip also counts any stall of D's or of the box, which D's rule now forgives,
+            # so one slow trip is not P's (a CI run on a box running ~2x slower read p50 8 ms, max 1.3 s)
+            assert hb["count"] > 0 and hb["p50"] < 1000 * REAL_HEARTBEAT_TIMEOUT_S / 5, hb
             for base in (p_url, d_url):
                 info = wait_free_pages(base, 30)
                 assert info["free_pages"] == info["total_pages"], (base, info)

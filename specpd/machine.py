@@ -73,7 +73,7 @@ def first_touch_on_huge_pages(address: int, nbytes: int, touch) -> int:
     """Write fresh memory [address, address + nbytes) for the first time on huge pages while they come cheap:
     MADV_HUGEPAGE, then `touch(offset, length)` (the caller's write of those bytes) chunk by chunk; once a chunk
     is slower than HUGE_PAGE_MIN_RATE (the kernel compacting memory for every huge page), the rest is touched on
-    4 KB pages (MADV_NOHUGEPAGE), then advised again for khugepaged to collapse in its own time. Returns the bytes
+    4 KB pages (MADV_NOHUGEPAGE), then advised again and left for collapse_later_in_background. Returns the bytes
     touched with huge pages asked for."""
     start, length = _interior(address, nbytes)
     if advise_huge_pages(address, nbytes) == 0:
@@ -116,11 +116,11 @@ def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
         first = _interior(start, end - start)[0]
         for pos in range(first, first + length, HUGE_PAGE_CHUNK):
             n = min(HUGE_PAGE_CHUNK, first + length - pos)
-            t0 = time.perf_counter()
-            if _madvise(pos, n, MADV_COLLAPSE) != 0:
+            seconds = _collapse_timed(pos, n)
+            if seconds is None:
                 break
             done += n
-            if (time.perf_counter() - t0) * HUGE_PAGE_MIN_RATE > n:
+            if seconds * HUGE_PAGE_MIN_RATE > n:
                 logger.info("huge pages: %d MiB of weights collapsed, then stopped (the kernel was compacting "
                             "memory)", done >> 20)
                 with _later_lock:
@@ -137,8 +137,9 @@ def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thre
     """Collapse onto huge pages, in a daemon thread, what start-up left on 4 KB pages (first_touch_on_huge_pages,
     collapse_huge_pages) once the server is up, while `idle()` holds (the engine has no request: the collapse
     never competes with one; a request arriving waits at most for one chunk's collapse, 8 MiB): one chunk at a
-    time, each followed by a pause so that the thread compacts at most `duty` of a core. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step
-    on the AMX Xeon); khugepaged alone would take ~20 min for the default model's (16 MiB per 10 s). None when
+    time, each followed by a pause so that the thread compacts at most `duty` of a core. A KV pool on 4 KB pages
+    cost a b32 decode step's attention ~15% (profile_step on the AMX Xeon); khugepaged alone would take ~20 min
+    for the default model's (16 MiB per 10 s). None when
     there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
     the kernel keeps the memory's contents through a collapse."""
     with _later_lock:
@@ -155,15 +156,20 @@ def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thre
                 while idle is not None and not idle():
                     time.sleep(0.25)
                 n = min(chunk, end - pos)
-                t0 = time.perf_counter()
-                if _madvise(pos, n, MADV_COLLAPSE) == 0:
-                    done += n
-                time.sleep((time.perf_counter() - t0) * (1 - duty) / duty)
+                seconds = _collapse_timed(pos, n)
+                done += n if seconds is not None else 0
+                time.sleep((seconds or 0.0) * (1 - duty) / duty)
         logger.info("huge pages: %d MiB collapsed after start-up", done >> 20)
 
     thread = threading.Thread(target=run, name="specpd-huge-pages", daemon=True)
     thread.start()
     return thread
+
+
+def _collapse_timed(address: int, nbytes: int) -> float | None:
+    """MADV_COLLAPSE over [address, address + nbytes): the seconds it took, None where the kernel refused."""
+    t0 = time.perf_counter()
+    return time.perf_counter() - t0 if _madvise(address, nbytes, MADV_COLLAPSE) == 0 else None
 
 
 def _interior(address: int, nbytes: int) -> tuple[int, int]:

@@ -80,7 +80,8 @@ def test_first_touch_takes_huge_pages_only_while_they_come_cheap(monkeypatch, sl
     clock = [0.0]
     monkeypatch.setattr(machine.time, "perf_counter", lambda: clock[0])
     import mmap
-    region = mmap.mmap(-1, 9 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # never touched (an allocator may hand out memory already faulted in)
+    # never touched (an allocator may hand out memory already faulted in)
+    region = mmap.mmap(-1, 9 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(region, dtype=torch.uint8)
     chunks = []
 

@@ -26,10 +26,10 @@ prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) and waiting f
 (`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`, control.py) pings
 every P that owes it rooms each HEARTBEAT_INTERVAL_S and stamps every message from P on its own clock, so
 D's own long engine step never reads as P's silence; P's silence is counted from its oldest unanswered ping to
-the control thread's last tick (`DecodeControl.silent_s`), so neither does a stall of D's whole process. P's control thread answers with its load: a busy P
-answers, and only the prefill / transfer timeouts bound its rooms. A P silent for `heartbeat_timeout_s`
-fails its rooms; if its bootstrap port refuses connections, or now names another control endpoint (P was
-restarted), the process is gone and the rooms' pages are freed at once.
+the control thread's last tick (`DecodeControl.silent_s`), so neither does a stall of D's whole process. P's
+control thread answers with its load: a busy P answers, and only the prefill / transfer timeouts bound its
+rooms. A P silent for `heartbeat_timeout_s` fails its rooms; if its bootstrap port refuses connections, or now
+names another control endpoint (P was restarted), the process is gone and the rooms' pages are freed at once.
 """
 from __future__ import annotations
 

@@ -63,10 +63,16 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     before the memory is first touched. Returns the bytes advised: 0 where the OS cannot (not Linux, THP off).
     The KV pool takes it: attention reads each sequence's K/V in 4 KB blocks at scattered pages, one TLB miss
     each on 4 KB pages (a b32 decode step's attention over 350 positions: 22 ms, 18.7 ms on huge pages)."""
-    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or not huge_pages_wanted():
         return 0
     start, length = _interior(address, nbytes)
     return length if _madvise(start, length, MADV_HUGEPAGE) == 0 else 0
+
+
+def huge_pages_wanted() -> bool:
+    """Whether specpd asks for huge pages at all: yes unless SPECPD_HUGE_PAGES=0 (the test suite, whose hundreds of
+    short-lived engines would each pay ~0.5-1 s of the kernel's compaction for memory they read a few times)."""
+    return os.environ.get("SPECPD_HUGE_PAGES", "1") != "0"
 
 
 def first_touch_on_huge_pages(address: int, nbytes: int, touch) -> int:

@@ -5,6 +5,23 @@ from specpd.machine import (HUGE_PAGE, MADV_COLLAPSE, _interior, _madvise, advis
                             default_dtype, default_threads, first_touch_on_huge_pages, isa, split_cores, usable_cores)
 
 
+@pytest.fixture(autouse=True)
+def huge_pages(monkeypatch):
+    """The suite asks for no huge pages (tests/conftest.py); these tests are about them."""
+    monkeypatch.setenv("SPECPD_HUGE_PAGES", "1")
+
+
+def test_huge_pages_can_be_turned_off(monkeypatch):
+    import torch
+    t = torch.empty(5 * HUGE_PAGE, dtype=torch.uint8)
+    monkeypatch.setenv("SPECPD_HUGE_PAGES", "0")
+    assert advise_huge_pages(t.data_ptr(), t.numel()) == 0
+    assert collapse_huge_pages([(t.data_ptr(), t.data_ptr() + t.numel())]) == 0
+    seen = []
+    assert first_touch_on_huge_pages(t.data_ptr(), t.numel(), lambda pos, n: seen.append((pos, n))) == 0
+    assert seen == [(0, t.numel())]  # written once, whole
+
+
 @pytest.mark.parametrize("cores,p,d,want", [
     (2, 1, 1, ([1], [1])),  # this project's box: one thread each
     (1, 1, 1, ([1], [1])),  # fewer cores than servers: never zero threads

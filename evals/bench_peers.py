@@ -19,18 +19,22 @@ concurrency (a request is sent as soon as one of the c in flight finishes).
 Servers run one at a time, each started afresh for every rep (start-up time measured each time: process
 start to /health 200), in an order rotated rep by rep; every server first answers the parity prompts
 (greedy token ids), warms up (c requests of 8 tokens at each concurrency), is measured idle (CPU share over
-5 s, 2 s after the warm-up), then runs its cells.
+5 s, 2 s after the warm-up), then runs its cells. With --paired a dtype's servers are up together for a rep and
+each cell runs on every one of them back to back (paired_rep): what a ratio to specpd plain wants on a box whose
+speed drifts over minutes. `pairs` in the JSON: every server against specpd plain at its dtype, rep by rep.
 
   make peers && .venv/bin/python evals/bench_peers.py            # the canonical run: hours, on a quiet box
   .venv/bin/python evals/bench_peers.py --quick                  # smoke: 1 rep, c1, chat, 4 prompts, 32 tokens
   .venv/bin/python evals/bench_peers.py --engines specpd,vllm --configs plain,eagle3 --dtypes fp32 --concurrency 1
   .venv/bin/python evals/bench_peers.py --servers '*/bf16,*/plain/fp32' --reps 2   # a subset by server name
+  .venv/bin/python evals/bench_peers.py --engines specpd --configs plain,eagle3,ngram --dtypes bf16 --paired
   .venv/bin/python evals/bench_peers.py --estimate               # print the full run's estimated time, run nothing
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import fnmatch
 import json
 import os
@@ -44,12 +48,24 @@ import httpx  # noqa: E402
 
 import peers  # noqa: E402
 from common import humaneval_prompts, log, machine_info, percentile, versions, write_json  # noqa: E402
-from peers_report import estimate_s, lscpu, parity_report, plot, summarize_cell, table  # noqa: E402
+from peers_report import estimate_s, lscpu, pairs, parity_report, plot, summarize_cell, table  # noqa: E402
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 CONFIGS, DTYPES, ENGINES = ("plain", "eagle3", "ngram"), ("bf16", "fp32"), ("specpd", "vllm", "llamacpp")
 WORKLOADS = ("chat", "grounded", "code")
 PARITY_PROMPTS, PARITY_TOKENS = 2, 32
+PAIRED_GAP_S = 2.0  # --paired: between two servers' cells (vLLM's engine core spins ~1 s after its last request)
+# --paired: what an idle specpd server would do beside the other servers' cells, turned off: the background
+# collapse onto huge pages runs only while its engine is idle (specpd/machine.py), i.e. while the others are measured
+PAIRED_SPECPD_ENV = (("SPECPD_HUGE_PAGES_LATER", "0"),)
+SINGLE_LIFECYCLE = ("one server at a time, started afresh for every rep and stopped (process group killed) after its "
+                    "cells. Idle servers cost little CPU (idle_cpu_share: specpd and llama.cpp 0, vLLM ~0.01 of a core "
+                    "once settled, ~0.33 for the ~1 s after a request), but 14 servers at once (vLLM: 2 GiB KV each) "
+                    "would not fit in memory, and a fresh start every rep measures start-up each time")
+PAIRED_LIFECYCLE = ("--paired: a dtype's servers up at once for a rep (started one after another, stopped together), "
+                    "each cell run on every one of them back to back in an order rotated cell by cell and rep by rep, "
+                    f"{PAIRED_GAP_S:.0f} s apart; specpd's servers without the background collapse onto huge pages "
+                    "(it runs while a server is idle: while the others are measured)")
 
 
 # -- prompts -----------------------------------------------------------------------------------------
@@ -184,31 +200,71 @@ def tau_of(run: peers.Running, rows: list[dict], before, after) -> dict:
 def serve_and_measure(spec: peers.ServerSpec, cells: list[tuple[str, int]], plan: dict, rep: int,
                       parity: list[list[int]], args) -> dict:
     with peers.serve(spec) as run:
-        entry = {"startup_s": run.startup_s, "parity_tokens": greedy_tokens(run, parity, PARITY_TOKENS)}
-        for c in sorted({c for _, c in cells}):  # first-batch-shape costs out of the cells: c requests, 8 tokens
-            warm, _ = run_cell(run.base, [parity[i % len(parity)] for i in range(c)], c, 8)
-            entry.setdefault("warmup_errors", []).extend(r["error"] for r in warm if "error" in r)
-        time.sleep(2.0)  # vLLM's engine core spins ~1 s after its last request: the settled cost is wanted
-        entry["idle_cpu_share"] = peers.idle_cpu_share(run, 5.0)
-        if spec.engine == "specpd":
-            info = peers.get_json(run.base + "/server_info") or {}
-            entry["server_info"] = {"config": info.get("config"), "speculative": info.get("speculative"),
-                                    **{k: v for k, v in info.items() if "default" in k or "thread" in k or "dtype" in k}}
-        entry["cells"] = {}
+        entry = prepare(run, cells, parity)
         for workload, c in cells:
-            prompts = plan[(workload, c, rep)]
-            before = tau_probe(run)
-            rows, wall = run_cell(run.base, prompts, c, args.max_tokens)
-            cell = summarize_rows(rows, wall)
-            cell.update(tau_of(run, rows, before, tau_probe(run)))
-            entry["cells"][f"{workload}/c{c}"] = cell
-            log(f"   {spec.name:24s} {workload:8s} c{c:<3d} TPOT p50 {fmt_ms(cell['tpot_p50_s'])} ms  TTFT p50 "
-                f"{fmt_ms(cell['ttft_p50_s'])} ms  {cell['output_tok_s']:.1f} tok/s  tau {fmt(cell.get('tau'))}"
-                f"  errors {cell['num_errors']}")
-        if entry.get("warmup_errors") or any(c["num_errors"] for c in entry["cells"].values()):
-            entry["log_tail"] = peers.log_tail(run.log_path)
-            entry["alive_after_cells"] = run.proc.poll() is None
+            measure_cell(run, entry, workload, c, plan[(workload, c, rep)], args)
+        finish(run, entry)
     return entry
+
+
+def prepare(run: peers.Running, cells: list[tuple[str, int]], parity: list[list[int]]) -> dict:
+    """A started server's entry: start-up, parity tokens, warm-up errors, idle CPU share, its /server_info."""
+    spec = run.spec
+    entry = {"startup_s": run.startup_s, "parity_tokens": greedy_tokens(run, parity, PARITY_TOKENS)}
+    for c in sorted({c for _, c in cells}):  # first-batch-shape costs out of the cells: c requests, 8 tokens
+        warm, _ = run_cell(run.base, [parity[i % len(parity)] for i in range(c)], c, 8)
+        entry.setdefault("warmup_errors", []).extend(r["error"] for r in warm if "error" in r)
+    time.sleep(2.0)  # vLLM's engine core spins ~1 s after its last request: the settled cost is wanted
+    entry["idle_cpu_share"] = peers.idle_cpu_share(run, 5.0)
+    if spec.engine == "specpd":
+        info = peers.get_json(run.base + "/server_info") or {}
+        entry["server_info"] = {"config": info.get("config"), "speculative": info.get("speculative"),
+                                **{k: v for k, v in info.items() if "default" in k or "thread" in k or "dtype" in k}}
+    entry["cells"] = {}
+    return entry
+
+
+def measure_cell(run: peers.Running, entry: dict, workload: str, c: int, prompts: list[list[int]], args) -> dict:
+    spec = run.spec
+    before = tau_probe(run)
+    rows, wall = run_cell(run.base, prompts, c, args.max_tokens)
+    cell = summarize_rows(rows, wall)
+    cell.update(tau_of(run, rows, before, tau_probe(run)))
+    entry["cells"][f"{workload}/c{c}"] = cell
+    log(f"   {spec.name:24s} {workload:8s} c{c:<3d} TPOT p50 {fmt_ms(cell['tpot_p50_s'])} ms  TTFT p50 "
+        f"{fmt_ms(cell['ttft_p50_s'])} ms  {cell['output_tok_s']:.1f} tok/s  tau {fmt(cell.get('tau'))}"
+        f"  errors {cell['num_errors']}")
+    return cell
+
+
+def finish(run: peers.Running, entry: dict) -> None:
+    if entry.get("warmup_errors") or any(c["num_errors"] for c in entry["cells"].values()):
+        entry["log_tail"] = peers.log_tail(run.log_path)
+        entry["alive_after_cells"] = run.proc.poll() is None
+
+
+def paired_rep(specs: list[peers.ServerSpec], cells: list[tuple[str, int]], plan: dict, rep: int,
+               parity: list[list[int]], args) -> dict[str, dict]:
+    """--paired: one rep of every server in `specs` up at once, each cell run on every server back to back (the
+    order rotated cell by cell and rep by rep), so a cell's servers are minutes closer than one server's whole rep
+    apart and the box's drift falls on them alike. Returns each server's entry, as serve_and_measure's."""
+    import contextlib
+    entries: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for spec in specs:  # started one after another: start-up times are each server's own
+            log(f"== rep {rep} {spec.name} (paired)")
+            runs.append(stack.enter_context(peers.serve(spec)))
+        for run in runs:
+            entries[run.spec.name] = prepare(run, cells, parity)
+        for i, (workload, c) in enumerate(cells):
+            shift = (rep + i) % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                measure_cell(run, entries[run.spec.name], workload, c, plan[(workload, c, rep)], args)
+                time.sleep(PAIRED_GAP_S)
+        for run in runs:
+            finish(run, entries[run.spec.name])
+    return entries
 
 
 def summarize_rows(rows: list[dict], wall_s: float) -> dict:
@@ -263,7 +319,10 @@ def specpd_default_dtype() -> tuple[str, dict]:
     with peers.serve(spec) as run:
         info = peers.get_json(run.base + "/server_info") or {}
     config = info.get("config") or {}
-    return config.get("dtype", "float32"), {"startup_s": run.startup_s, "config": config}
+    # the dtype it resolved (runtime): its config says "auto", which no server cell would match, so every bf16
+    # server got a `--dtype bfloat16` a user does not type
+    dtype = (info.get("runtime") or {}).get("dtype") or config.get("dtype", "float32")
+    return dtype, {"startup_s": run.startup_s, "config": config, "runtime": info.get("runtime")}
 
 
 def peer_versions() -> dict:
@@ -293,6 +352,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per cell (default: max(8, concurrency))")
     ap.add_argument("--quick", action="store_true", help="smoke: 1 rep, c1, chat, 4 prompts, 32 tokens")
     ap.add_argument("--estimate", action="store_true", help="print the estimated run time of these flags and exit")
+    ap.add_argument("--paired", action="store_true",
+                    help="every server of a dtype up at once for a rep, each cell run on all of them back to back "
+                         "(what a ratio to specpd plain wants on a noisy box; paired_rep)")
     ap.add_argument("--out", default=None, help="default: evals/results/peers.json ($TMPDIR for --quick)")
     args = ap.parse_args()
     if args.quick:
@@ -316,20 +378,29 @@ def main() -> int:
     from specpd.model.loader import load_checkpoint
     plan, parity, shared = prompt_plan(args, load_checkpoint("default").tokenizer)
     specs = server_specs(args, default_dtype, skipped)
+    if args.paired:
+        specs = [dataclasses.replace(s, env=s.env + PAIRED_SPECPD_ENV) if s.engine == "specpd" else s for s in specs]
     cells = [(w, c) for w in args.workloads for c in args.concurrency]
     servers = {s.name: {"cmd": list(s.cmd), "env": dict(s.env), "reps": []} for s in specs}
     report = {"benchmark": "peers", "description": __doc__.split("\n\n")[0], "command": " ".join(sys.argv),
               "args": vars(args), "model": "default (SmolLM2-135M-Instruct; vLLM: its HF directory from specpd's "
               "converted fp32 weights; llama.cpp: the Q4_1 GGUF)", "specpd_default_dtype": default_dtype,
-              "specpd_probe": probe, "server_lifecycle": "one server at a time, started afresh for every rep and "
-              "stopped (process group killed) after its cells. Idle servers cost little CPU (idle_cpu_share: "
-              "specpd and llama.cpp 0, vLLM ~0.01 of a core once settled, ~0.33 for the ~1 s after a request), "
-              "but 14 servers at once (vLLM: 2 GiB KV each) would not fit in memory, and a fresh start every "
-              "rep measures start-up each time",
+              "specpd_probe": probe, "server_lifecycle": PAIRED_LIFECYCLE if args.paired else SINGLE_LIFECYCLE,
               "prompt_tokens": {w: [len(p) for k, ps in plan.items() if k[0] == w for p in ps] for w in args.workloads},
               "prompts_shared_across_reps": shared,
               "skipped": skipped, "servers": servers, **meta}
-    for rep in range(args.reps):
+    for rep in range(args.reps if args.paired else 0):
+        for dtype in dict.fromkeys(s.dtype for s in specs):  # a dtype's servers together (llama.cpp's q4_1 apart)
+            group = [s for s in specs if s.dtype == dtype]
+            try:
+                for name, entry in paired_rep(group, cells, plan, rep, parity, args).items():
+                    servers[name]["reps"].append(entry)
+            except peers.ServerFailed as e:
+                log(f"   FAILED: {str(e)[-1500:]}")
+                for s in group:
+                    servers[s.name]["reps"].append({"failed": str(e)[-3000:]})
+            write_json(out, report)
+    for rep in range(0 if args.paired else args.reps):
         shift = rep * len(specs) // max(args.reps, 1)
         for spec in specs[shift:] + specs[:shift]:  # rotated: each server at another place in every rep
             log(f"== rep {rep} {spec.name}")
@@ -341,6 +412,7 @@ def main() -> int:
             write_json(out, report)
     report["cells"] = {name: {key: summarize_cell([r["cells"][key] for r in s["reps"] if key in r.get("cells", {})])
                               for key in (f"{w}/c{c}" for w, c in cells)} for name, s in servers.items()}
+    report["pairs"] = pairs(servers, [f"{w}/c{c}" for w, c in cells])
     report["parity"] = parity_report(servers, len(parity), PARITY_TOKENS)
     report["bench_wall_s"] = time.perf_counter() - t_start
     full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),

@@ -49,6 +49,27 @@ def summarize_cell(reps: list[dict]) -> dict:
     return out
 
 
+def pairs(servers: dict, keys: list[str]) -> dict:
+    """Each server against specpd plain at its dtype, rep by rep (rep r of both: with --paired, the same cell run
+    back to back): tok/s over plain's and plain's TPOT p50 over its own (> 1: faster), median and min-max."""
+    out = {}
+    for name, server in servers.items():
+        ref = servers.get(f"specpd/plain/{name.rsplit('/', 1)[1]}")
+        if ref is None or name.startswith("specpd/plain/"):
+            continue
+        row = {}
+        for key in keys:
+            both = [(a["cells"][key], b["cells"][key]) for a, b in zip(server["reps"], ref["reps"])
+                    if key in a.get("cells", {}) and key in b.get("cells", {})]
+            tok = [a["output_tok_s"] / b["output_tok_s"] for a, b in both if b["output_tok_s"]]
+            tpot = [b["tpot_p50_s"] / a["tpot_p50_s"] for a, b in both if a["tpot_p50_s"] and b["tpot_p50_s"]]
+            if tok:
+                row[key] = {"tok_s_ratio": _median(tok), "tok_s_ratio_spread": _spread(tok), "tok_s_ratios": tok,
+                            "tpot_speedup": _median(tpot), "tpot_speedup_spread": _spread(tpot)}
+        out[name] = row
+    return out
+
+
 def matching_prefix(a: list[int] | str, b: list[int] | str) -> int | None:
     """How many leading tokens two greedy outputs share (None when either is an error string)."""
     if not isinstance(a, list) or not isinstance(b, list):
@@ -92,6 +113,11 @@ def table(report: dict) -> str:
                          f"{f(start, 7)} {f(idle, 8, 2)}")
     for s in report.get("skipped", []):
         lines.append(f"{s['server']:26s} skipped: {s['reason'][:150]}")
+    for name, cells in report.get("pairs", {}).items():
+        for key, c in cells.items():
+            lo, hi = c["tok_s_ratio_spread"]
+            lines.append(f"{name:26s} {key:14s} tok/s over specpd plain {c['tok_s_ratio']:.2f}x [{lo:.2f}-{hi:.2f}] "
+                         f"over {len(c['tok_s_ratios'])} reps")
     return "\n".join(lines)
 
 

@@ -77,3 +77,17 @@ def test_estimate_uses_measured_startup_and_throughput():
     args = argparse.Namespace(concurrency=[1], requests=8, max_tokens=96, workloads=["chat"], reps=2)
     report = {"servers": {spec.name: {"reps": [{"startup_s": 5.0, "cells": {"chat/c1": {"output_tok_s": 96.0}}}]}}}
     assert peers_report.estimate_s(args, [spec], report) == 2 * (5.0 + 10.0 + 8 * 96 / 96.0)
+
+
+def test_pairs_compare_each_server_with_specpd_plain_rep_by_rep():
+    def rep(tok_s, tpot):
+        return {"cells": {"chat/c8": {"output_tok_s": tok_s, "tpot_p50_s": tpot}}}
+    servers = {"specpd/plain/bf16": {"reps": [rep(100, 0.02), {"failed": "x"}, rep(200, 0.01)]},
+               "specpd/eagle3/bf16": {"reps": [rep(110, 0.01), rep(999, 0.001), rep(150, 0.02)]},
+               "vllm/plain/fp32": {"reps": [rep(50, 0.04)]}}
+    got = peers_report.pairs(servers, ["chat/c8"])
+    assert set(got) == {"specpd/eagle3/bf16"}  # no plain server at fp32 to compare with; plain is the reference
+    cell = got["specpd/eagle3/bf16"]["chat/c8"]
+    assert cell["tok_s_ratios"] == [1.1, 0.75]  # rep 1 of plain failed: that rep pairs nothing
+    assert cell["tok_s_ratio_spread"] == [0.75, 1.1] and abs(cell["tok_s_ratio"] - 0.925) < 1e-9
+    assert cell["tpot_speedup_spread"] == [0.5, 2.0]

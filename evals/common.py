@@ -178,3 +178,10 @@ def percentile(xs: list[float], q: float) -> float | None:
     k = (len(xs) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def sse_chunks(resp):
+    """The JSON payloads of an OpenAI-style streamed response's `data: ` lines ([DONE] left out), as they arrive."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])

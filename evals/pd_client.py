@@ -5,11 +5,10 @@ tau summary, and the deltas of the servers' KV-transfer counters and TTFT stage 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
-from common import log, percentile
+from common import log, percentile, sse_chunks
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
@@ -24,10 +23,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             return {"error": f"{resp.status_code}: {(await resp.aread())[:300]!r}"}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if "error" in chunk:
                 return {"error": str(chunk["error"])}
             if chunk.get("usage"):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import httpx
 
 import peers
-from common import log, percentile
+from common import log, percentile, sse_chunks
 
 PARITY_PROMPTS, PARITY_TOKENS = 2, 32
 PAIRED_GAP_S = 2.0  # --paired: between two servers' cells (vLLM's engine core spins ~1 s after its last request)
@@ -28,10 +27,7 @@ async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], m
         async with client.stream("POST", base + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 return {"error": f"{resp.status_code}: {(await resp.aread())[:300]!r}"}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     return {"error": str(chunk["error"])[:300]}
                 usage = chunk.get("usage") or usage

@@ -10,7 +10,10 @@ The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one 
 or with `--closed-loop N`, N prompts through `--batch` clients (the next added as one finishes: arrivals and
 finishes spread over the rounds, as a served benchmark's, and the ratio is every output token over all step time).
 A config named `<config>_eager` is that config with every prompt's draft extend run at once (SpecRunner's
-`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle).
+`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle);
+`<config>_nocache`, that config with the prefix cache off (no draft-KV upkeep: nothing is settled at finish).
+`--one-at-a-time`: each config runs a rep's closed loop alone (the order rotated rep by rep), as a server does: in
+lockstep an engine's round-to-round cycle, which the adaptive policy reads online, holds the other engines' steps.
 Each engine's step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends,
 and the finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON
 holds their milliseconds per engine step, the share of rounds at depth 0 and each rep's tok/s ratio to
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import os
 import tempfile
 import time
@@ -74,6 +78,35 @@ def instrument(engine: LLMEngine, clock=time.perf_counter) -> tuple[collections.
     return totals, counts
 
 
+_ALONE_TURNS = itertools.count()  # alone_run's calls: each rotates the order once more
+
+
+def alone_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params: SamplingParams, tag: str, clock,
+              concurrency: int) -> dict[str, dict]:
+    """Each engine through the closed loop on its own, one after another (the order rotated call by call): `tok_s` =
+    every output token over the engine's wall time for the loop, as lockstep_run's."""
+    names, shift = list(engines), next(_ALONE_TURNS)
+    results = {}
+    for n in names[shift % len(names):] + names[:shift % len(names)]:
+        eng, ids = engines[n], [f"{tag}-{n}-{i}" for i in range(len(prompts))]
+        queued, final = list(zip(ids, prompts)), {}
+        t0 = clock()
+        for rid, p in queued[:concurrency]:
+            eng.add_request(rid, p, params)
+        queued = queued[concurrency:]
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if queued:
+                        eng.add_request(*queued.pop(0), params)
+        outs = [final[r] for r in ids]
+        assert eng.free_pages == eng.total_pages, f"{n}: KV pages leaked"
+        results[n] = {"tokens": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) /
+                      (clock() - t0)}
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=["non_spec", "hybrid", "random_hybrid"])
@@ -84,6 +117,8 @@ def main() -> None:
                     help="the prompts (spec_workloads.py): held-out chat, or the grounded rewrite's long inputs")
     ap.add_argument("--closed-loop", type=int, default=0, metavar="N",
                     help="N prompts a rep through --batch clients (a closed loop), not --batch at once")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="with --closed-loop: each config alone through a rep (module docstring), not in lockstep")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"],
                     help="thread: time the parts and steps in this thread's CPU time (leaves out the time the box "
                          "took the core away; the engines still decide on wall time)")
@@ -100,9 +135,12 @@ def main() -> None:
     head = tempfile.mkdtemp(prefix="random-eagle3-")
     random_draft_checkpoint(head, "eagle3", ModelConfig.from_hf(ckpt.hf_config), seed=0, draft_vocab_size=8192)
     all_cfgs = configs(head)
-    engines = {n: LLMEngine(EngineConfig(model="default", dtype=args.dtype, spec=all_cfgs[n.removesuffix("_eager")],
-                                         num_threads=args.threads,
-                                         cache=CacheConfig(page_size=16, num_pages=1024),
+    if args.one_at_a_time and not args.closed_loop:
+        raise SystemExit("--one-at-a-time needs --closed-loop")
+    engines = {n: LLMEngine(EngineConfig(model="default", dtype=args.dtype, num_threads=args.threads,
+                                         spec=all_cfgs[n.removesuffix("_eager").removesuffix("_nocache")],
+                                         cache=CacheConfig(page_size=16, num_pages=1024,
+                                                           enable_prefix_caching=not n.endswith("_nocache")),
                                          scheduler=SchedulerConfig(max_running_requests=args.batch)),
                             checkpoint=ckpt) for n in args.configs}
     for n, eng in engines.items():
@@ -114,7 +152,8 @@ def main() -> None:
     per_rep = args.closed_loop or args.batch
     prompts = WORKLOADS[args.workload](ckpt.tokenizer, per_rep * (args.reps + 1))
     loop = args.batch if args.closed_loop else None
-    lockstep_run(engines, prompts[:per_rep], params, "warm", clock, loop)
+    run = alone_run if args.one_at_a_time else lockstep_run
+    run(engines, prompts[:per_rep], params, "warm", clock, loop)
     for totals, counts in timers.values():
         totals.clear()
         counts.clear()
@@ -123,7 +162,7 @@ def main() -> None:
     differing: dict[str, int] = {}  # reps whose greedy output differed from non-spec's (half precision only)
     for rep in range(args.reps):
         batch = prompts[per_rep * (rep + 1):per_rep * (rep + 2)]
-        out = lockstep_run(engines, batch, params, f"rep{rep}", clock, loop)
+        out = run(engines, batch, params, f"rep{rep}", clock, loop)
         for n in args.configs:
             if out[n]["tokens"] != out["non_spec"]["tokens"]:
                 # fp32 is exact; in half precision a prompt whose cached prefix differs by a page (a spec engine's

@@ -99,6 +99,11 @@ def configs(random_head: str) -> dict[str, SpecConfig]:
         "ngram_fixed": SpecConfig("ngram", spec_adaptive=False),
         "hybrid": SpecConfig("eagle3", draft_model="default"),  # `--speculative-algorithm eagle3` as shipped
         "mtp_hybrid": SpecConfig("mtp", draft_model="default"),
+        # the cheapest speculation, every round (no policy): one or two draft tokens a request
+        "eagle3_chain1": SpecConfig("eagle3", draft_model="default", spec_ngram=False, spec_adaptive=False,
+                                    spec_num_steps=1, spec_topk=1),
+        "eagle3_chain2": SpecConfig("eagle3", draft_model="default", spec_ngram=False, spec_adaptive=False,
+                                    spec_num_steps=2, spec_topk=1),
         "random_eagle3": SpecConfig("eagle3", draft_model=random_head, spec_ngram=False),  # a useless draft
         "random_eagle3_fixed": SpecConfig("eagle3", draft_model=random_head, spec_ngram=False, spec_adaptive=False),
         "random_hybrid": SpecConfig("eagle3", draft_model=random_head),

@@ -83,28 +83,11 @@ _ALONE_TURNS = itertools.count()  # alone_run's calls: each rotates the order on
 
 def alone_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params: SamplingParams, tag: str, clock,
               concurrency: int) -> dict[str, dict]:
-    """Each engine through the closed loop on its own, one after another (the order rotated call by call): `tok_s` =
-    every output token over the engine's wall time for the loop, as lockstep_run's."""
-    names, shift = list(engines), next(_ALONE_TURNS)
-    results = {}
-    for n in names[shift % len(names):] + names[:shift % len(names)]:
-        eng, ids = engines[n], [f"{tag}-{n}-{i}" for i in range(len(prompts))]
-        queued, final = list(zip(ids, prompts)), {}
-        t0 = clock()
-        for rid, p in queued[:concurrency]:
-            eng.add_request(rid, p, params)
-        queued = queued[concurrency:]
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    if queued:
-                        eng.add_request(*queued.pop(0), params)
-        outs = [final[r] for r in ids]
-        assert eng.free_pages == eng.total_pages, f"{n}: KV pages leaked"
-        results[n] = {"tokens": [o.token_ids for o in outs], "tok_s": sum(len(o.token_ids) for o in outs) /
-                      (clock() - t0)}
-    return results
+    """Each engine through the closed loop on its own (lockstep_run of that engine alone), one after another, the
+    order rotated call by call."""
+    names, shift = list(engines), next(_ALONE_TURNS) % len(engines)
+    return {n: lockstep_run({n: engines[n]}, prompts, params, tag, clock, concurrency)[n]
+            for n in names[shift:] + names[:shift]}
 
 
 def main() -> None:

@@ -48,13 +48,20 @@ def peers(d: dict) -> str:
 def peers_spec(d: dict) -> str:
     cells, rows = peer_cells(d), []
     plain, spec = cells["specpd/plain/bf16"], cells["specpd/eagle3/bf16"]
+    pairs = d.get("pairs", {}).get("specpd/eagle3/bf16", {})  # rep by rep (bench_peers --paired), where recorded
     for key in plain:
         field = "tpot_p50_ms" if key.endswith("/c1") else "output_tok_s"
-        ratio = plain[key][field] / spec[key][field] if field == "tpot_p50_ms" else spec[key][field] / plain[key][field]
+        if key in pairs:
+            name = "tpot_speedup" if field == "tpot_p50_ms" else "tok_s_ratio"
+            ratio = _f(pairs[key][name], 2, "×") + _spread(pairs[key][name + "_spread"])
+        else:
+            ratio = _f(plain[key][field] / spec[key][field] if field == "tpot_p50_ms"
+                       else spec[key][field] / plain[key][field], 2, "×")
         rows.append([key, _f(plain[key][field], 1) + _spread(plain[key][field + "_spread"], 1),
-                     _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), _f(ratio, 2, "×"),
+                     _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), ratio,
                      _f(spec[key]["tau"])])
-    return _table(["cell", "plain (TPOT ms at c1, tok/s above)", "eagle3 defaults", "eagle3 over plain", "τ"],
+    return _table(["cell", "plain (TPOT ms at c1, tok/s above)", "eagle3 defaults",
+                   "eagle3 over plain (median of the reps' pairs where paired)", "τ"],
                   rows)
 
 

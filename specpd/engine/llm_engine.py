@@ -26,9 +26,9 @@ from specpd.engine.spec_runner import build_spec_runner
 from specpd.engine.spec_stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
+from specpd.machine import collapse_later_in_background
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
-from specpd.machine import collapse_later_in_background
 
 logger = logging.getLogger(__name__)
 

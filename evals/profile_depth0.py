@@ -10,12 +10,12 @@ The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one 
 or with `--closed-loop N`, N prompts through `--batch` clients (the next added as one finishes: arrivals and
 finishes spread over the rounds, as a served benchmark's, and the ratio is every output token over all step time).
 A config named `<config>_eager` is that config with every prompt's draft extend run at once (SpecRunner's
-`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up or the settle);
-`<config>_nocache`, that config with the prefix cache off (no draft-KV upkeep: nothing is settled at finish).
+`defer_prompt_tokens` = 0: the engine before the prompt extend waited for the first catch-up);
+`<config>_nocache`, that config with the prefix cache off.
 `--one-at-a-time`: each config runs a rep's closed loop alone (the order rotated rep by rep), as a server does: in
 lockstep an engine's round-to-round cycle, which the adaptive policy reads online, holds the other engines' steps.
-Each engine's step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends,
-and the finish-time settle are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON
+Each engine's step, scheduler, target forward, sampling, the adaptive plan, the draft catch-ups and extends
+are wrapped with timers (wall clock, or with `--clock thread` CPU time); the JSON
 holds their milliseconds per engine step, the share of rounds at depth 0 and each rep's tok/s ratio to
 non-spec. The parts nest (a plain round holds its target forward, which holds the model forward), so they
 do not add up to the step.
@@ -67,7 +67,7 @@ def instrument(engine: LLMEngine, clock=time.perf_counter) -> tuple[collections.
     sr = engine.spec_runner
     if sr is not None:
         parts += [(sr, "_target_forward", "target_forward"), (sr, "_plain_round", "plain_round"),
-                  (sr, "_catch_up", "catch_up"), (sr, "settle_draft_kv", "settle_draft_kv"),
+                  (sr, "_catch_up", "catch_up"),
                   (sr.proposer, "extend", "draft_extend"), (sr.proposer, "propose", "propose")]
         if sr.policy is not None:
             parts.append((sr.policy, "plan", "policy_plan"))

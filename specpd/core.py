@@ -139,6 +139,9 @@ class Request:
     cache_node: object = None  # the prefix-cache node whose path this request holds (specpd.kv.radix)
     num_cached_tokens: int = 0  # prompt tokens taken from a prefix cache, not computed here
     draft_kv_len: int | None = None  # positions with valid draft KV (None: no draft KV in the pages)
+    # a prefix-cache hit whose pages lack draft KV from `start` on: (start, the target features to build it from),
+    # for the spec runner to defer as the prompt's extend (specpd/engine/spec_defer.py)
+    cached_draft: tuple | None = None
     kv_pinned: bool = False  # PD prefill: pages being streamed to D while it prefills: never preempted or freed
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 

@@ -119,8 +119,8 @@ class EagleProposer(Proposer):
         out = self._run(ids, hidden, positions, q_lens, kv_lens, pages, step=0, last_only=True)  # [items, H]
         for i, ex in enumerate(extends):
             ex.request.draft_kv_len = ex.start + q_lens[i]  # draft KV valid below (a prefix cache reads it)
-        # the head and top-k only where a proposal is refreshed: a mid-prompt chunk, or a finishing request's
-        # settle (SpecRunner.settle_draft_kv), writes KV alone (the head is half of a one-layer draft's weights)
+        # the head and top-k only where a proposal is refreshed: a mid-prompt chunk writes KV alone (the head is
+        # half of a one-layer draft's weights)
         ends = [i for i, ex in enumerate(extends) if ex.at_end]
         if ends:
             top_ids, top_probs = self._topk(out[ends], step=0)

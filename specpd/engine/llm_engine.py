@@ -52,9 +52,7 @@ class LLMEngine(HandoffHooks):
             draft_layers = shared_page_layers(spec, self.model_config)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role)
         pool = self.runner.kv_pool
-        # with a prefix cache, a finishing request's deferred draft extends run (`_finish`)
-        self.spec_runner = build_spec_runner(self.runner, spec, settles_deferred=config.cache.enable_prefix_caching) \
-            if spec.enabled and with_draft else None
+        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
         if spec.enabled and not with_draft and not spec.model_free:
             from specpd.draft.loader import draft_feature_layers
             self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
@@ -66,6 +64,8 @@ class LLMEngine(HandoffHooks):
                              if config.cache.enable_prefix_caching else None)
         self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width,
                                    cache=self.prefix_cache)
+        if self.prefix_cache is not None and self._draft_kv:  # the draft's deferred extends stay with cached pages
+            self.scheduler.draft_cache = self.spec_runner
         if self.prefix_cache is not None and self.runner.handoff_capture is not None:
             self.scheduler.page_payloads = lambda req, n: feature_pages(req, n, pool.page_size)  # P, draft-on-decode-only: D needs every feature
         eos = set(self.model_config.eos_token_ids)
@@ -291,10 +291,8 @@ class LLMEngine(HandoffHooks):
         return appended, (lps if p.logprobs is not None else None), reason
 
     def _finish(self, finishing: list[tuple[Request, str]]) -> None:
-        """Finish requests that reached a stop condition; their deferred draft extends run first, in one
-        batch, so the prefix cache gets draft KV valid over all they committed."""
-        if self._draft_kv and self.prefix_cache is not None:
-            self.spec_runner.settle_draft_kv([req for req, _ in finishing])  # before their pages go to the cache
+        """Finish requests that reached a stop condition (their pages go to the prefix cache with the features of
+        any draft extend they deferred: SpecRunner.cache_payloads)."""
         for req, reason in finishing:
             self.scheduler.finish(req, reason)
 

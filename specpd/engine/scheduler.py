@@ -17,8 +17,9 @@ A request's life:
 Prefix cache (`cache`, specpd/kv/radix.py): at admission a request takes the longest cached prefix of its
 tokens (whole pages, never its last token: the step that samples must run) and computes from there; when it
 finishes or is preempted its full valid pages go into the cache instead of the free list (positions below
-`num_computed_tokens`, and below `draft_kv_len` where the pages carry draft KV). Then the invariant is
-free + evictable == total, and the allocator evicts unreferenced cached pages when it runs short.
+`num_computed_tokens`; where the pages carry draft KV, below `draft_kv_len`, or, with `draft_cache`, with the target
+features the draft's KV is built from where it lags: SpecRunner.cache_payloads / adopt_cached). Then the invariant
+is free + evictable == total, and the allocator evicts unreferenced cached pages when it runs short.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Scheduler:
         self.cache = cache
         # set when every cached page carries a payload: (request, num_pages) -> one payload per page, or None (then nothing is cached)
         self.page_payloads = None
+        # set where cached pages carry draft KV that may lag the target's (adaptive speculation defers the draft's
+        # extends): the spec runner, whose `cache_payloads` / `adopt_cached` keep the features for the lagging part
+        self.draft_cache = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._unfinished: dict[str, Request] = {}  # request id -> request, waiting or running
@@ -82,6 +86,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.release_pages(request)
         request.num_computed_tokens = 0
+        request.cached_draft = None
         if request.draft_kv_len is not None:
             request.draft_kv_len = 0
 
@@ -95,7 +100,10 @@ class Scheduler:
         else:
             valid = request.num_computed_tokens
             if request.draft_kv_len is not None:
-                valid = min(valid, request.draft_kv_len)
+                if self.draft_cache is not None and payloads is None:
+                    valid, payloads = self.draft_cache.cache_payloads(request, valid)
+                else:
+                    valid = min(valid, request.draft_kv_len)
             if payloads is None and self.page_payloads is not None and request.pages:
                 payloads = self.page_payloads(request, valid // self.page_size)
                 if payloads is None:
@@ -117,11 +125,16 @@ class Scheduler:
         m = self.cache.match(tokens, max_tokens=len(tokens) - 1)
         if not m.pages or (self.page_payloads is not None and any(p is None for p in m.payloads)):
             return
-        self.cache.lock(m.node)
-        request.cache_node = m.node
-        request.pages = list(m.pages)
-        request.num_computed_tokens = len(m.pages) * self.page_size
-        if request.draft_kv_len is not None:
+        node, keep = m.node, len(m.pages)
+        if request.draft_kv_len is not None and self.draft_cache is not None:
+            keep = self.draft_cache.adopt_cached(request, m.payloads)  # pages lacking draft KV only at the end
+            while node.depth > keep:
+                node = node.parent
+        self.cache.lock(node)
+        request.cache_node = node
+        request.pages = list(m.pages[:keep])
+        request.num_computed_tokens = keep * self.page_size
+        if request.draft_kv_len is not None and self.draft_cache is None:
             request.draft_kv_len = request.num_computed_tokens
         if not request.output_token_ids:
             request.num_cached_tokens = request.num_computed_tokens

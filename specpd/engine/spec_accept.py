@@ -26,8 +26,8 @@ GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is kn
 # 4-5 at batch 8, where such a round costs three plain ones (issue 32)
 REQUEST_RATE = 0.2
 PROBE_MIN, PROBE_MAX = 8, 128
-# a shadow probe's interval stops doubling here: it costs a catch-up the finish-time settle would run anyway and no
-# verify row, and it is the only way back to speculating once the engine-wide rate fell (a c1 server whose first
+# a shadow probe's interval stops doubling here: it costs no verify row (its catch-up draws on the probe budget),
+# and it is the only way back to speculating once the engine-wide rate fell (a c1 server whose first
 # replies accepted little probed every 128 rounds, i.e. about once a reply, and stayed at depth 0: issue 32)
 SHADOW_PROBE_MAX = 32
 # a request at depth 0 forgets too: every IDLE_DECAY_EVERY rounds there its statistics decay by IDLE_DECAY, so its

@@ -26,21 +26,21 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      would cost far more than one does at batch 1. The budget saves up PROBE_CREDIT_ROUNDS rounds' worth, or
      the price of the dearest probe waiting for it where that is more, so every probe is taken in time. A request whose draft is in step (nothing deferred: after
      a speculating round, or under PD the handoff's extend) shadow-probes for free.
-  4b. What the deferred tokens cost: where the engine runs every request's deferred extends when it finishes
-     anyway (`catch_up_settled`: the prefix cache keeps draft KV valid over all a request committed,
-     LLMEngine._finish), a catch-up moves work earlier and adds at most one draft forward, so neither a probe
-     nor a speculating round is charged its rows. Otherwise the rows are what speculating again costs. Charged
-     in full while the engine settled them anyway, a request at depth 0 came back only through a probe whose
-     price grew a row a round; with the draft priced at a busy box's startup reading (0.3-0.9 ms a row) that
-     outgrew what the budget saves (0.5% of a ~47 ms round, at most 64 rounds' worth), and the request, and
-     with it the engine-wide estimate, stayed at depth 0 (a decode server that never speculated, issue 31).
+  4b. What the deferred tokens cost: a catch-up is the work speculating again adds (nothing runs a request's
+     deferred extends otherwise: they go to the prefix cache with its pages, spec_defer.py), so a speculating
+     decision is charged its rows, and a probe all it catches up, the prompt's rows included (4c). Until the
+     cache kept the features, every finishing request ran its deferred extends (the settle), a catch-up was
+     work moved earlier and went uncharged (`catch_up_settled`, which `--spec-adaptive-pinned` keeps: its rounds
+     then depend on the request's own history only), and at chat c32 the prompt catch-ups of probes that were
+     priced one draft forward each came to ~2% of the step, the settles another ~1.4%. (Charged in full while
+     the engine settled them anyway, a request at depth 0 had come back only through a probe whose price grew a
+     row a round, outgrowing what the budget saved: a decode server that never speculated, issue 31; the budget
+     now saves up to the dearest waiting probe, 4.)
   4c. The prompt's extend is deferred too (SpecRunner._prompt_extend_now; not with a frozen policy, nor on a PD
-     prefill server): it runs with the request's first catch-up or its settle, so a request that never
-     speculates costs one draft forward, not two (at batch 8 in a closed loop of chat clients, where speculation
-     does not pay, the two were ~2% of the spec server's time). Its rows are charged to no decision (`unpriced`):
-     the eager extend paid them before any decision, and charging them would keep a new request from ever
-     speculating where the engine does not settle. A request with its prompt waiting is not in step (its
-     shadow probe waits for its interval) and its probe is charged one draft forward, as a settled catch-up.
+     prefill server): it runs with the request's first catch-up, else never, so a request that never speculates
+     costs no draft forward. Its rows are charged to no decision to speculate (`unpriced`): the eager extend
+     paid them before any decision, and charging them would keep a new request from ever speculating. A request
+     with its prompt waiting is not in step (its shadow probe waits for its interval).
   5. What a speculating round costs outside the target forward is measured each round in two parts: its
      draft work (catch-up, proposal, extend) against what the cost model predicted for its draft forwards,
      whose ratio scales the draft costs from then on (`CostModel.draft_scale`), and the rest (trees, verify,
@@ -102,7 +102,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                  shadow: bool = False, catch_up_settled: bool = False):
         super().__init__(num_steps, topk, num_draft_tokens, frozen)
         self.cost = cost
-        # the engine runs every deferred extend when its request finishes (module docstring, 4b)
+        # a catch-up priced as work moved earlier, not added (module docstring, 4b: --spec-adaptive-pinned)
         self.catch_up_settled = catch_up_settled
         # shadow probes (a drafter with a draft state, EAGLE-family): a probing request stays at depth 0 and
         # only catches its draft up; whether the token it then commits is the draft's top-1 is the probe's
@@ -310,16 +310,16 @@ class AdaptivePolicy(AcceptanceEstimates):
 
     def _catch_up_cost(self, pending: int | None, waiting: int) -> float:
         """What bringing a request's draft in step before this round adds: nothing when nothing waits (`waiting`:
-        the deferred rows, the prompt's included); one more draft forward where the engine settles every
-        catch-up anyway (4b), the caller tracks none (None) or only the prompt's rows wait (4c); else the
-        deferred rows (and, as a round's own extend would, this round's)."""
+        the deferred rows, the prompt's included); one more draft forward where catch-ups count as work moved
+        earlier (4b) or the caller tracks none (None); else every waiting row and, as a round's own extend would,
+        this round's."""
         if pending is None:
             return self.cost.draft(1)
         if waiting <= 0:
             return 0.0
-        if self.catch_up_settled or pending <= 0:
+        if self.catch_up_settled:
             return self.cost.draft(1)
-        return self.cost.draft(pending + 1)
+        return self.cost.draft(waiting + 1)
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
                     other_rows: int) -> float:

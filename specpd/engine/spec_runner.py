@@ -293,11 +293,8 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         ext = _prompt_extend(it, token_ids, features)
         return SampledTokens(req.request_id, token_ids, logprobs, it.num_tokens), ext
 
-def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
-                      settles_deferred: bool = False) -> SpecRunner:
-    """frozen_policy: the adaptive policy neither learns engine-wide nor refines its measured costs.
-    settles_deferred: the engine runs a finishing request's deferred draft extends (`settle_draft_kv`, for the
-    prefix cache), so a catch-up is work moved earlier, not added (AdaptivePolicy.catch_up_settled)."""
+def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) -> SpecRunner:
+    """frozen_policy: the adaptive policy neither learns engine-wide nor refines its measured costs."""
     cfg = runner.model_config
     steps, topk, num_tokens = spec.num_steps, spec.topk, spec.num_draft_tokens
     if spec.speculative_algorithm == "replay":
@@ -324,9 +321,9 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False,
         frozen = frozen_policy or spec.spec_adaptive_pinned
         cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else calibrate(spec_runner)
         cost.frozen = frozen
-        # pinned: priced as with the default prefix cache whatever the cache flag, so a request's rounds (and
-        # acceptance) do not depend on it
-        settled = (settles_deferred or spec.spec_adaptive_pinned) and proposer.needs_hidden
+        # pinned: a catch-up priced as work moved earlier (AdaptivePolicy.catch_up_settled), whatever the cache, so
+        # a request's rounds (and acceptance) depend on its own history only; measured: priced as the work it adds
+        settled = spec.spec_adaptive_pinned and proposer.needs_hidden
         spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
                                             shadow=proposer.needs_hidden or isinstance(proposer, NgramProposer),
                                             catch_up_settled=settled)

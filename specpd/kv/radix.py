@@ -17,7 +17,9 @@ Lifecycle of a page:
 Invariant: allocator free + evictable == total pages once no request runs; `flush` returns free to total.
 
 A node may carry an opaque `payload` per page (a PD prefill server in draft-on-decode-only mode keeps the
-page's target features there: D's draft needs them for every position, cached or not).
+page's target features there: D's draft needs them for every position, cached or not; a speculating engine keeps
+the features of a page whose draft KV was never built, and None where it was: `insert` clears a node's payload
+when a request offers None for the very page it holds, its draft having caught up over it).
 """
 from __future__ import annotations
 
@@ -132,15 +134,17 @@ class RadixCache:
             key = self._key(tokens, k)
             if key is None:
                 break
+            offered = payloads is not None and k < len(payloads)  # (none offered past the list: a matched page)
             child = node.children.get(key)
             if child is None:
-                child = RadixNode(key, pages[k], node, node.depth + 1,
-                                  payload=payloads[k] if payloads is not None else None)
+                child = RadixNode(key, pages[k], node, node.depth + 1, payload=payloads[k] if offered else None)
                 node.children[key] = child
                 self.num_cached += 1
                 self.num_evictable += 1
             elif child.page != pages[k]:
                 rest.append(pages[k])
+            elif offered and payloads[k] is None:
+                child.payload = None
             child.last_use = now
             node = child
             k += 1

@@ -245,16 +245,23 @@ def test_deferred_catch_up_counts_against_speculating():
 
 def test_a_deferred_prompt_is_charged_to_no_decision_but_a_probe_pays_it():
     """A deferred prompt extend (`unpriced`, paid at prefill when eager) is charged to no decision, 200 decode
-    tokens are; a request with it waiting is not in step: its shadow probe waits and pays one draft forward."""
+    tokens are; a request with it waiting is not in step: its shadow probe waits for its interval and for the
+    budget to save up the whole catch-up, which it then pays (nothing else would run it: spec_defer.py)."""
     policy = policy_with(memory_bound(), rate=0.3)
     assert policy.plan(["a"], pending=[0], unpriced=[200])[0][0] >= 1
     assert policy.plan(["a"], pending=[200], unpriced=[0])[0][0] == 0
-    useless = policy_with(memory_bound(), rate=0.0)
-    useless.shadow, useless.frozen, useless.probe_credit = True, False, 1.0  # (budget for a probe: not what is checked)
-    plans = [(useless.plan(["a"], pending=[0], unpriced=[200]), useless.shadow_probes, useless.probe_credit)
-             for _ in range(useless._get("a").probe_every)]
-    assert [p[1] for p in plans] == [[]] * (len(plans) - 1) + [["a"]]  # in step it would probe at once, for free
-    assert plans[-2][2] - plans[-1][2] > 0.9 * useless.cost.draft(1)
+    for credit, probes in ((0.9, False), (1.01, True)):  # x the whole catch-up's price
+        useless = policy_with(memory_bound(), rate=0.0)
+        useless.shadow, useless.frozen = True, False
+        due = useless._get("a").probe_every
+        plans = [(useless.plan(["a"], pending=[0], unpriced=[200]), useless.shadow_probes) for _ in range(due - 1)]
+        assert [p[1] for p in plans] == [[]] * (due - 1)
+        useless.probe_credit = credit * useless.cost.draft(201)  # (saving it up is not what is checked)
+        useless.plan(["a"], pending=[0], unpriced=[200])
+        assert useless.shadow_probes == (["a"] if probes else []), credit  # in step it would probe for free
+    pinned = policy_with(memory_bound(), rate=0.0)  # catch-ups priced as work moved earlier: one draft forward
+    pinned.shadow, pinned.frozen, pinned.catch_up_settled = True, False, True
+    assert pinned._catch_up_cost(0, 200) == pinned.cost.draft(1) < useless._catch_up_cost(0, 200)
 
 
 def test_observe_updates_conditional_rates():

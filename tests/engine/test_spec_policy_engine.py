@@ -128,14 +128,16 @@ def test_the_prompt_extend_waits_for_the_first_catch_up_and_computes_the_same(ti
         assert eng.free_pages == NUM_PAGES
 
 
-def test_a_request_that_never_speculates_costs_one_draft_forward_its_settle(tiny, tmp_path):
-    """With every round at depth 0 and no probe, a request's only draft forward is the settle at its finish, over
-    its prompt and output in one slice and without the draft head (no proposal is refreshed); the prefix cache
-    then keeps its full pages with valid draft KV, and a rerun of the same prompts hits them."""
+def test_a_request_that_never_speculates_runs_no_draft_forward_and_the_cache_keeps_its_features(tiny, tmp_path):
+    """With every round at depth 0 and no probe, a request runs no draft forward at all: its pages go to the prefix
+    cache with the target features of what it deferred (one tensor a page). A request that hits them takes the
+    features back as its prompt's deferred extend, and its catch-up builds the draft KV and the first proposal an
+    eager extend (a frozen policy's, no cache) computes."""
     path, expected = tiny
     random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
-    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True,
-                                  spec_ngram=False))
+    spec = SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True,
+                      spec_ngram=False)
+    eng = engine(path, spec)
     runner, policy = eng.spec_runner, eng.spec_runner.policy
     policy.frozen = False
     real_plan = policy.plan
@@ -145,23 +147,58 @@ def test_a_request_that_never_speculates_costs_one_draft_forward_its_settle(tiny
         policy.shadow_probes = []
         return [(0, 1)] * len(request_ids)
     policy.plan = depth_zero
-    calls, heads = [], []
-    real_extend, real_logits = runner.proposer.extend, runner.proposer.draft.compute_logits
-    runner.proposer.extend = lambda exts: (calls.append([(e.request.request_id, e.start, len(e.token_ids), e.at_end)
-                                                         for e in exts]), real_extend(exts))[1]
-    runner.proposer.draft.compute_logits = lambda *a, **k: (heads.append(1), real_logits(*a, **k))[1]
+    calls = []
+    real_extend = runner.proposer.extend
+    runner.proposer.extend = lambda exts: (calls.append([e.request.request_id for e in exts]), real_extend(exts))[1]
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
-    slices = [s for call in calls for s in call]
-    assert sorted(rid for rid, *_ in slices) == sorted(o.request_id for o in outs)  # one slice per request
-    for o in outs:
-        (start, n, at_end), = [s[1:] for s in slices if s[0] == o.request_id]
-        assert (start, n, at_end) == (0, o.num_prompt_tokens + len(o.token_ids) - 1, False)
-    assert not heads and not runner._deferred and not runner._prompt_pending
+    assert not calls and not runner._deferred and not runner._prompt_pending
     assert eng.free_pages == NUM_PAGES and eng.prefix_cache.num_cached > 0
-    again = eng.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in again] == expected
-    assert sum(o.num_cached_tokens for o in again) > 0
+    payloads = [n.payload for n in eng.prefix_cache._nodes()]
+    assert payloads and all(p is not None and p.shape[0] == 4 for p in payloads)  # no page's draft KV was built
+
+    prompt = PROMPTS[1]  # 37 tokens: 9 pages cached (the token after the 9th is the prompt's last)
+    again = eng.add_request("again", prompt, GREEDY)
+    while not again.output_token_ids:
+        eng.step()
+    assert again.num_cached_tokens == 36 and again.draft_kv_len == 0 and not calls
+    assert runner._prompt_pending["again"] == len(prompt)  # the cached 36 positions' features, then its own one
+    with torch.inference_mode():
+        runner._catch_up([again])
+    assert again.draft_kv_len == len(prompt) and not runner._deferred
+    eager = engine(path, spec)  # frozen: every prompt chunk's draft extend at once
+    ref = eager.add_request("again", prompt, GREEDY)
+    while not ref.output_token_ids:
+        eager.step()
+    assert ref.output_token_ids == again.output_token_ids and ref.draft_kv_len == len(prompt)
+    torch.testing.assert_close(_draft_kv(eng, again, len(prompt)), _draft_kv(eager, ref, len(prompt)),
+                               rtol=1e-5, atol=1e-5)
+    assert again.spec_state.topk_ids == ref.spec_state.topk_ids
+    # its catch-up built the draft KV of the pages it holds: the cache drops their features when it lets go
+    eng.abort_request("again")
+    eng.step()
+    assert all(n.payload is None for n in eng.prefix_cache._nodes() if n.page in again_pages(eng, prompt))
+    assert eng.free_pages == NUM_PAGES
+
+
+def test_a_cache_hit_takes_the_pages_whose_draft_kv_lags_only_at_its_end(tiny, tmp_path):
+    """adopt_cached: the pages before the first with features keep their draft KV; from there every page must
+    carry a whole page of features (what one deferred slice rebuilds), so the match is cut at a gap."""
+    path, _ = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
+    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3))
+    req = eng.add_request("r", list(range(40, 77)), GREEDY)
+    feats = [torch.full((n, 3), float(i)) for i, n in enumerate((2, 4, 4))]
+    assert eng.spec_runner.adopt_cached(req, [None, feats[0], feats[1], None, feats[2]]) == 3
+    assert req.draft_kv_len == 6 and req.cached_draft[0] == 6
+    torch.testing.assert_close(req.cached_draft[1], torch.cat(feats[:2]))
+    assert eng.spec_runner.adopt_cached(req, [None, None]) == 2
+    assert req.draft_kv_len == 8 and req.cached_draft is None
+
+
+def again_pages(eng, prompt):
+    """The cached pages on `prompt`'s path."""
+    return set(eng.prefix_cache.match(prompt, max_tokens=len(prompt) - 1).pages)
 
 
 def test_an_ngram_request_at_depth_0_shadow_probes_every_round_and_comes_back(tiny):

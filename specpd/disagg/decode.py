@@ -293,6 +293,9 @@ class DecodeWorker(DisaggWorker):
             room = self.prealloc_queue[0]
             n = len(room.prompt_token_ids)
             match = cache.match(room.prompt_token_ids, max_tokens=n - 1, count=False) if cache is not None else None
+            if match is not None and self.engine.scheduler.draft_cache is not None:
+                match = match.draft_built()  # the handoff takes a cached page's draft KV as built (the settle's
+                # successor keeps a page's features instead where it was not: SpecRunner.cache_payloads)
             cached = match.num_pages * page_size if match is not None else 0
             local = cached > 0 and n - cached <= self.local_prefill_tokens
             need = 0 if local else pages_needed(n, page_size) - (match.num_pages if match is not None else 0)

@@ -125,15 +125,12 @@ class Scheduler:
         m = self.cache.match(tokens, max_tokens=len(tokens) - 1)
         if not m.pages or (self.page_payloads is not None and any(p is None for p in m.payloads)):
             return
-        node, keep = m.node, len(m.pages)
         if request.draft_kv_len is not None and self.draft_cache is not None:
-            keep = self.draft_cache.adopt_cached(request, m.payloads)  # pages lacking draft KV only at the end
-            while node.depth > keep:
-                node = node.parent
-        self.cache.lock(node)
-        request.cache_node = node
-        request.pages = list(m.pages[:keep])
-        request.num_computed_tokens = keep * self.page_size
+            m = m.cut(self.draft_cache.adopt_cached(request, m.payloads))  # pages lacking draft KV only at the end
+        self.cache.lock(m.node)
+        request.cache_node = m.node
+        request.pages = list(m.pages)
+        request.num_computed_tokens = m.num_pages * self.page_size
         if request.draft_kv_len is not None and self.draft_cache is None:
             request.draft_kv_len = request.num_computed_tokens
         if not request.output_token_ids:

@@ -14,6 +14,12 @@ SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a r
 SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
 # a lone request's rounds read spec_scale per option (depth and width) and both ways: `CostModel.spec_scale`
 OPTION_SCALE_RANGE = (0.5, 8.0)
+# one round's reading moves a learned price by at most a step towards OUTLIER x (or 1 / OUTLIER x) it, plus
+# OUTLIER_FLOOR_S for an additive one: a round the box stalled for seconds (a shared 2-core VM does) once set
+# `round_overhead` to ~0.5 s a request, and as only a speculating round reads it again, that server never
+# speculated again, at any concurrency (a paired bench rep: 0.47x plain at chat c1, then depth 0 in every cell)
+OUTLIER = 4.0
+OUTLIER_FLOOR_S = 1e-3
 SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
 # bounded (a descheduled round reads several times its cost); the scale itself follows the box however far
 
@@ -163,26 +169,23 @@ class CostModel:
             # lone request's depth-1 round was then priced at 3.4x a plain one (it never speculated again)
             if self.off_overhead is not None:
                 per = max(outside_s - self.off_overhead * requests, 0.0) / requests
-                self.round_overhead += ONLINE_RATE * (per - self.round_overhead)
+                self.round_overhead = _ema_add(self.round_overhead, per)
             return
         if not speculated:
             per = outside_s / requests
-            self.off_overhead = per if self.off_overhead is None else \
-                self.off_overhead + ONLINE_RATE * (per - self.off_overhead)
+            self.off_overhead = per if self.off_overhead is None else _ema_add(self.off_overhead, per)
         elif draft_s is not None:
             ratio = max(draft_s, 1e-6) / (predicted_draft_s / self.draft_scale)
-            lo, hi = DRAFT_SCALE_RANGE
-            self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
+            self.draft_scale = _ema_log(self.draft_scale, ratio, DRAFT_SCALE_RANGE)
             per = max(outside_s - draft_s - (self.off_overhead or 0.0) * requests, 0.0) / requests
-            self.round_overhead += ONLINE_RATE * (per - self.round_overhead)
+            self.round_overhead = _ema_add(self.round_overhead, per)
         else:
             # before any round at depth 0 (a server that speculated from its first round) the whole of the round
             # outside the target counts as the draft's: dearer than it is by a plain round's bookkeeping, never
             # stuck at the startup price
             excess = max(outside_s - (self.off_overhead or 0.0) * requests, 1e-6)
             ratio = excess / (predicted_draft_s / self.draft_scale)
-            lo, hi = DRAFT_SCALE_RANGE
-            self.draft_scale = min(hi, max(lo, self.draft_scale * (ratio / self.draft_scale) ** ONLINE_RATE))
+            self.draft_scale = _ema_log(self.draft_scale, ratio, DRAFT_SCALE_RANGE)
 
     def observe_spec_extra(self, measured_s: float, predicted_s: float, requests: int = 1,
                            option: int | None = None) -> None:
@@ -210,6 +213,13 @@ class CostModel:
 
 
 def _ema_log(old: float, reading: float, bounds: tuple[float, float]) -> float:
-    """One ONLINE_RATE step of a scale towards a reading, in log space, both kept within `bounds`."""
+    """One ONLINE_RATE step of a scale towards a reading (within OUTLIER x of it), in log space, both kept within
+    `bounds`."""
     lo, hi = bounds
+    reading = min(old * OUTLIER, max(old / OUTLIER, reading))
     return min(hi, max(lo, old * (min(hi, max(lo, reading)) / old) ** ONLINE_RATE))
+
+
+def _ema_add(old: float, reading: float) -> float:
+    """One ONLINE_RATE step of seconds towards a reading of at most OUTLIER x + OUTLIER_FLOOR_S of them."""
+    return old + ONLINE_RATE * (min(reading, OUTLIER * old + OUTLIER_FLOOR_S) - old)

@@ -51,8 +51,9 @@ class DeferredExtends:
             return valid, [None] * (valid // ps)
         feats = torch.cat([p.hidden for p in parts]) if len(parts) > 1 else parts[0].hidden
         valid = min(valid, lag + feats.shape[0])
-        return valid, [None if (k + 1) * ps <= lag else feats[max(k * ps, lag) - lag:(k + 1) * ps - lag].clone()
-                       for k in range(valid // ps)]
+        # on the host: a GPU pool sized to its budget must not lose memory to cached features
+        return valid, [None if (k + 1) * ps <= lag else feats[max(k * ps, lag) - lag:(k + 1) * ps - lag].to(
+            "cpu", copy=True) for k in range(valid // ps)]
 
     def adopt_cached(self, request, payloads: list) -> int:
         """A prefix-cache hit on pages with these payloads (`cache_payloads`): how many to take (the lagging ones
@@ -60,6 +61,7 @@ class DeferredExtends:
         features, deferred as the prompt's extend by `_prompt_extend_now`) set to match."""
         ps = self.runner.kv_pool.page_size
         first = next((k for k, p in enumerate(payloads) if p is not None), None)
+        self._drop_deferred(request.request_id)  # a (re)admission: what a preempted request deferred is stale
         request.cached_draft = None
         if first is None:
             request.draft_kv_len = len(payloads) * ps
@@ -69,7 +71,7 @@ class DeferredExtends:
             keep += 1
         start = (first + 1) * ps - payloads[first].shape[0]
         request.draft_kv_len = start
-        request.cached_draft = (start, torch.cat(payloads[first:keep]))
+        request.cached_draft = (start, torch.cat(payloads[first:keep]).to(self.runner.device))
         return keep
 
     def _prompt_extend_now(self, ext: DraftExtend, it: ScheduledItem) -> DraftExtend | None:

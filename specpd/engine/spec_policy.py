@@ -74,7 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specpd.engine.spec_accept import GLOBAL_RATE, AcceptanceEstimates
-from specpd.engine.spec_cost import CostModel
+from specpd.engine.spec_cost import OUTLIER, CostModel
 
 PROBE_BUDGET = 0.005  # share of the modelled round time probes may spend (not frozen)
 PROBE_CREDIT_ROUNDS = 64  # the budget saves up at most this many rounds' worth
@@ -354,9 +354,10 @@ class AdaptivePolicy(AcceptanceEstimates):
         speculating (`CostModel.spec_scale`, module docstring 5b)."""
         if self.frozen:
             return
-        if not speculated:
+        if not speculated:  # (a stalled round moves it by a bounded step: spec_cost.OUTLIER)
             old = self._plain_round_s.get(requests)
-            self._plain_round_s[requests] = seconds if old is None else old + GLOBAL_RATE * (seconds - old)
+            self._plain_round_s[requests] = seconds if old is None else \
+                old + GLOBAL_RATE * (min(seconds, OUTLIER * old) - old)
             return
         if self.last_extra is None:
             return

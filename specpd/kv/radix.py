@@ -53,6 +53,20 @@ class PrefixMatch:
     def num_pages(self) -> int:
         return len(self.pages)
 
+    def cut(self, num_pages: int) -> "PrefixMatch":
+        """The match's first `num_pages` pages (its node walked up to that depth)."""
+        if num_pages >= len(self.pages):
+            return self
+        node = self.node
+        while node is not None and node.depth > num_pages:
+            node = node.parent
+        return PrefixMatch(node if num_pages else None, self.pages[:num_pages], self.payloads[:num_pages])
+
+    def draft_built(self) -> "PrefixMatch":
+        """The pages before the first whose payload holds the features of draft KV never built (a speculating
+        engine's cache, specpd/engine/spec_defer.py): what a reader without them may take as draft KV."""
+        return self.cut(next((k for k, p in enumerate(self.payloads) if p is not None), len(self.pages)))
+
 
 class RadixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, lookahead: int = 0):

@@ -99,3 +99,50 @@ def test_multi_turn_under_pd_matches_unified(model_dir, eagle_dir, mode, local):
             for base in (p_url, d_url):
                 info = httpx.get(base + "/server_info").json()
                 assert info["cached_pages"] == 0 and info["free_pages"] == info["total_pages"]
+
+
+def test_a_decode_servers_cache_takes_no_page_whose_draft_kv_was_never_built(model_dir, eagle_dir):  # noqa: F811
+    """Under the adaptive policy a request's depth-0 rounds defer the draft's extend, and its pages go to the cache
+    with the features instead (SpecRunner.cache_payloads). D's own match for a handoff stops before the first such
+    page (P sends the rest, draft KV included), where it once took them as built: turn by turn, PD equals the
+    unified engine, whose hits rebuild that draft KV from the features. Pinned policy: exact."""
+    spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6,
+                      draft_mode="both", spec_adaptive_pinned=True)
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=PS, num_pages=128), spec=spec))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    lagging = []
+
+    def run_unified(prompt):
+        o = engine.generate([prompt], params)[0]
+        lagging.append(sum(n.payload is not None for n in engine.prefix_cache._nodes()))
+        return o.token_ids, (o.spec_verify_count, o.spec_accepted_tokens), o.num_cached_tokens
+    want = conversation(run_unified)
+    assert any(lagging[:-1]), lagging  # exercised: a later turn hits cached pages whose draft KV was never built
+    flags = ["--speculative-algorithm", "eagle", "--draft-model", eagle_dir, "--spec-num-steps", "3",
+             "--spec-topk", "2", "--spec-num-draft-tokens", "6", "--draft-mode", "both", "--spec-adaptive-pinned"]
+    p_boot = free_port()
+    with servers([["--role", "prefill", "--transfer-backend", "tcp", "--bootstrap-port", str(p_boot),
+                   *engine_args(model_dir), *flags],
+                  ["--role", "decode", "--transfer-backend", "tcp", "--pd-local-prefill-tokens", "0",
+                   *engine_args(model_dir), *flags]]) as (p_url, d_url):
+        with servers([["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port",
+                       str(p_boot)]]) as (router,), httpx.Client(base_url=router, timeout=60) as client:
+            def run(prompt):
+                body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                            "temperature": 0, "ignore_eos": True,
+                                                            "logprobs": 0}).json()
+                assert "choices" in body, body
+                wait_free_pages(p_url)
+                tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+                usage = body["usage"]
+                return (tokens, (usage["spec_verify_count"], usage["spec_accepted_tokens"]),
+                        usage["prompt_tokens_details"]["cached_tokens"])
+            got = conversation(run)
+            assert [(t, c) for t, c, _ in got] == [(t, c) for t, c, _ in want]
+            # the turn after the one that left pages lagging: D took fewer pages than the unified engine, which
+            # rebuilt their draft KV from the features
+            turn = lagging.index(max(lagging[:-1])) + 1
+            assert got[turn][2] < want[turn][2], (got, want, lagging)
+            for base in (p_url, d_url):
+                info = wait_free_pages(base)
+                assert info["free_pages"] == info["total_pages"], (base, info)

@@ -68,7 +68,7 @@ def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint, dt
             q_lens = [int(torch.randint(1, 6, (1,), generator=gen)) for _ in range(n)]
             ctx = [int(torch.randint(0, 60, (1,), generator=gen)) for _ in range(n)]
             ctx[0] = 16 - q_lens[0] // 2 if trial % 3 == 0 else ctx[0]  # rows across a page boundary
-            if trial % 6 == 5:  # a catch-up's many rows (a deferred prompt, a settle): the last one goes on
+            if trial % 6 == 5:  # a catch-up's many rows (a deferred prompt): the last one goes on
                 q_lens[0] = 37
             pages = [alloc.alloc(7) for _ in range(n)]
             # scattered: the allocator's order shuffled

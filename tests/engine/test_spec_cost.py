@@ -193,3 +193,30 @@ def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
     lone = AdaptivePolicy(5, 1, 6, wide)
     one, zero = (lone._round_time([k], [[1.0] * 6], [0], 0, 0) for k in (1, 0))
     assert one - zero < 3 * MS  # +1 ms a verify row, +0.6 ms the verify path's share: not 18 ms
+
+
+def test_a_round_the_box_stalled_in_does_not_stop_speculation():
+    """One speculating round that took 5 s (the box descheduled the server) moves each learned price by one bounded
+    step (spec_cost.OUTLIER): a lone request that accepts well speculates before and after it. Unbounded, it set
+    round_overhead to ~0.5 s a request, and as only a speculating round reads it again, the server never speculated
+    again."""
+    cost = CostModel({1: 50 * MS, 64: 113 * MS}, 0.5 * MS, {1: 3 * MS, 64: 10 * MS})
+    policy = policy_with(cost, rate=0.8)
+    policy.frozen = False
+    for _ in range(50):
+        cost.observe_round(1, 0.2 * MS, False, 0.0)
+        draft = cost.draft(4)
+        cost.observe_round(1, draft + 0.5 * MS, True, draft, speculating=1, draft_s=draft)
+        policy.last_extra = (50 * MS, 10 * MS, 3)
+        policy.observe_round_time(1, 60 * MS, speculated=True)
+    before = (cost.round_overhead, cost.draft_scale, cost.spec_scale(1, 3), cost.spec_scale(1))
+    assert policy.plan(["a"])[0][0] >= 2
+    draft = cost.draft(4)
+    cost.observe_round(1, 5.0, True, draft, speculating=1, draft_s=5.0)  # the draft "took" 5 s
+    cost.observe_round(1, 5.0, True, draft, speculating=1, draft_s=draft)  # the rest of the round did
+    policy.last_extra = (50 * MS, 10 * MS, 3)
+    policy.observe_round_time(1, 5.0, speculated=True)
+    after = (cost.round_overhead, cost.draft_scale, cost.spec_scale(1, 3), cost.spec_scale(1))
+    assert after[0] < before[0] + 0.2 * MS
+    assert all(a <= b * 4.0 ** 0.1 * 1.001 for a, b in zip(after[1:], before[1:])), (before, after)
+    assert policy.plan(["a"])[0][0] >= 2

@@ -53,7 +53,7 @@ def test_a_shadow_probe_counts_what_the_trees_first_level_keeps(num_draft_tokens
 
 
 def test_a_shadow_probes_interval_stops_doubling_at_its_own_cap():
-    """A shadow probe costs a catch-up the settle runs anyway and no verify row: its interval doubles on a miss up
+    """A shadow probe costs no verify row (its catch-up draws on the probe budget): its interval doubles on a miss up
     to SHADOW_PROBE_MAX rounds, a verify probe's up to PROBE_MAX (issue 32: a c1 server whose first replies accepted
     little probed about once a reply and stayed at depth 0)."""
     from specpd.engine.spec_accept import PROBE_MAX, SHADOW_PROBE_MAX

@@ -172,3 +172,25 @@ def test_scheduler_never_frees_a_matched_page_it_did_not_compute_past():
     sched.finish(req, "abort")
     assert cache.num_cached == 3 and cache.match(toks).num_pages == 3
     check(alloc, cache)
+
+
+def test_payloads_cut_and_cleared_where_the_draft_kv_was_built():
+    """A speculating engine's pages carry the features of draft KV never built (None where built): a match cut
+    before the first such page keeps its node in step, and a request that offers None for the very page a node
+    holds (its draft caught up over it) clears that node's features; a different page for the key changes nothing."""
+    alloc, cache = make(lookahead=1)
+    toks = list(range(13))  # 3 pages + the lookahead token
+    pages = alloc.alloc(3)
+    assert cache.insert(toks, pages, 12, [None, "f1", "f2"]) == []
+    m = cache.match(toks)
+    assert m.payloads == [None, "f1", "f2"]
+    built = m.draft_built()
+    assert built.pages == pages[:1] and built.payloads == [None] and built.node.depth == 1
+    assert m.cut(0).pages == [] and m.cut(0).node is None and m.cut(5) is m
+    cache.lock(m.node)
+    other = alloc.alloc(1)
+    assert cache.insert(toks, [pages[0], other[0], pages[2]], 12, [None, None, None]) == other  # page 2: not its
+    cache.unlock(m.node)
+    alloc.free(other)
+    assert cache.match(toks).payloads == [None, "f1", None]
+    check(alloc, cache)

@@ -22,7 +22,9 @@ def decode_spec_summary(url: str, info: dict) -> dict:
             "spec_accept_length": info.get("spec_accept_length"), "spec_verify_count": info.get("spec_verify_count"),
             "spec_probes": info.get("spec_probes"), "accept": policy.get("accept"),
             "cost_model": {"clock": cost.get("clock"), "target_rows": rows(cost.get("target_rows")),
-                           "draft_rows": rows(cost.get("draft_rows")), "per_request": cost.get("per_request"),
+                           "draft_rows": rows(cost.get("draft_rows")),
+                           "extend_rows": rows(cost.get("extend_rows")),
+                           "per_request": cost.get("per_request"),
                            "tree_factor": cost.get("tree_factor"), "scale": cost.get("scale"),
                            "draft_scale": cost.get("draft_scale")} if cost else None}
 
@@ -55,6 +57,8 @@ def decode_spec_metrics(summaries: list[dict]) -> bytes:
                          "rows (one request; before the online scale).", table("target_rows"), ("rows",))
             yield family("specpd:decode_spec_cost_draft_seconds", "A decode server's calibrated draft forward by "
                          "rows (before the online scales).", table("draft_rows"), ("rows",))
+            yield family("specpd:decode_spec_cost_extend_seconds", "A decode server's calibrated draft extend (the "
+                         "head on the last row) by rows (before the online scales).", table("extend_rows"), ("rows",))
             yield family("specpd:decode_spec_cost_scale", "Measured / calibrated seconds of a decode server's decode "
                          "rounds (the online scale on its table).", lambda s: [((), (s["cost_model"] or {}).get("scale"))])
 

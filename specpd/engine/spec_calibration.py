@@ -6,7 +6,8 @@
    matmuls, the table is completed at every row count from the matmuls timed there (`with_matmul_steps`).
 2. The same over `batch` requests: one row each (the per-request cost) and two rows each (`tree_factor`:
    padded multi-row attention with tree masks, which one request's rows do not show).
-3. Draft forwards (+ head, softmax, top-k) by rows, for drafters with a model.
+3. Draft forwards (+ head, softmax, top-k) by rows, for drafters with a model, and draft extends by rows (the
+   head on the last row alone, as a catch-up and a round's extend run: CostModel.extend).
 Scratch pages come from the engine's allocator and go back to it.
 The clock (`calibration_clock`): with one torch thread every forward runs on the calling thread, so its CPU
 time is the forward's cost whatever else the box runs; wall time is not. The two servers of a 1P1D cluster
@@ -29,6 +30,7 @@ from specpd.kv.allocator import pages_needed
 
 TARGET_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_GRID = (1, 2, 4, 8, 16, 32, 64)
+EXTEND_GRID = (1, 4, 16, 64)
 BATCH = 8
 
 
@@ -96,22 +98,28 @@ def calibrate(spec_runner, context: int = 128, passes: int = 3) -> CostModel:
         tree_factor = 1.0
         if modelled > 0:
             tree_factor = min(4.0, max(1.0, (t["batch", 2] - t["batch", 1]) / modelled))
-        draft_rows = None
+        draft_rows = extend_rows = None
         proposer = spec_runner.proposer
         if isinstance(proposer, (EagleProposer, HybridProposer)):
             model = proposer if isinstance(proposer, EagleProposer) else proposer.model
             hid = model.draft.config.hidden_size
 
-            def draft(r: int):
+            def draft(r: int, extend: bool):
                 ids = [(7 * i) % vocab for i in range(r)]
                 pos = [context + i for i in range(r)]
                 hidden = torch.zeros(r, hid, dtype=pool.dtype, device=runner.device)
+                step = 0 if extend else 1
                 return lambda: model._topk(model._run(ids, hidden, pos, [r], [context + r], [pages[:big_pages]],
-                                                      step=1), step=1)
-            draft_rows = monotone(fastest({r: draft(r) for r in DRAFT_GRID if r <= grid[-1]}, passes, clock))
+                                                      step=step, last_only=extend), step=step)
+            fns = {("draft", r): draft(r, False) for r in DRAFT_GRID if r <= grid[-1]}
+            fns.update({("extend", r): draft(r, True) for r in EXTEND_GRID if r <= grid[-1]})
+            t = fastest(fns, passes, clock)
+            draft_rows = monotone({r: s for (kind, r), s in t.items() if kind == "draft"})
+            extend_rows = monotone({r: s for (kind, r), s in t.items() if kind == "extend"})
     finally:
         alloc.free(pages)
-    return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor, clock=clock_name)
+    return CostModel(target_rows, per_request, draft_rows, tree_factor=tree_factor, clock=clock_name,
+                     extend_rows=extend_rows)
 
 
 def with_matmul_steps(model, table: dict[int, float], passes: int,

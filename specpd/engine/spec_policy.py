@@ -32,7 +32,9 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      cache kept the features, every finishing request ran its deferred extends (the settle), a catch-up was
      work moved earlier and went uncharged (`catch_up_settled`, which `--spec-adaptive-pinned` keeps: its rounds
      then depend on the request's own history only), and at chat c32 the prompt catch-ups of probes that were
-     priced one draft forward each came to ~2% of the step, the settles another ~1.4%. (Charged in full while
+     priced one draft forward each came to ~2% of the step, the settles another ~1.4%. A catch-up and a round's
+     extend are priced as an extend runs (`CostModel.extend`: the head on the last row alone, draft_scale on its
+     call only). (Charged in full while
      the engine settled them anyway, a request at depth 0 had come back only through a probe whose price grew a
      row a round, outgrowing what the budget saved: a decode server that never speculated, issue 31; the budget
      now saves up to the dearest waiting probe, 4.)
@@ -113,6 +115,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         self.stats = PlanStats()
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
         self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
+        self.last_draft_rows_s = 0.0  # the part of it draft_scale does not multiply (CostModel.extend_parts)
         # the last plan's (depth-0 round seconds, seconds speculating adds before CostModel.spec_scale), priced;
         # None when it did not speculate
         self.last_extra: tuple[float, float] | None = None
@@ -188,7 +191,7 @@ class AdaptivePolicy(AcceptanceEstimates):
             new = []
             for i in range(n):
                 ext_rows = ext_total - (gains[i][depth[i]] + priced[i] if depth[i] != 0 else 0.0)
-                ext_base = cost.draft(ext_rows)
+                ext_base = cost.extend(ext_rows)
                 # the batch's rows with this request at depth 0: its verify rows are priced exactly from there
                 # (the CPU kernel's cost steps at row blocks; a derivative at one point misprices k rows)
                 rows_base = rows - self.rows(depth[i]) + 1
@@ -197,7 +200,7 @@ class AdaptivePolicy(AcceptanceEstimates):
                 for k in options:  # a narrow depth drafts as its full one does: only its verify rows differ
                     if k > 1:
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
-                    extend = cost.draft(ext_rows + gains[i][k] + priced[i]) - ext_base
+                    extend = cost.extend(ext_rows + gains[i][k] + priced[i]) - ext_base
                     verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
                     value = (gains[i][k] - 1.0) - lam * spec_scale[k] * (verify + draft + extend)
                     if value > best_v:
@@ -228,7 +231,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
         # what the round's draft forwards will cost, catch-ups in full (CostModel.observe_round compares)
-        self.last_draft_s = self._draft_time(depth, gains, pending)
+        self.last_draft_s, self.last_draft_rows_s = self._draft_time(depth, gains, pending, parts=True)
         self.last_extra = None
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
             # with the catch-ups it will run (`pending`), which a decision may leave uncharged (4b) but the round's
@@ -314,12 +317,12 @@ class AdaptivePolicy(AcceptanceEstimates):
         earlier (4b) or the caller tracks none (None); else every waiting row and, as a round's own extend would,
         this round's."""
         if pending is None:
-            return self.cost.draft(1)
+            return self.cost.extend(1)
         if waiting <= 0:
             return 0.0
         if self.catch_up_settled:
-            return self.cost.draft(1)
-        return self.cost.draft(waiting + 1)
+            return self.cost.extend(1)
+        return self.cost.extend(waiting + 1)
 
     def _round_time(self, depth: list[int], gains: list[list[float]], pending: list[int], other_requests: int,
                     other_rows: int) -> float:
@@ -337,14 +340,17 @@ class AdaptivePolicy(AcceptanceEstimates):
         """A lone request's option, which its round's spec_scale is read and priced by (CostModel.spec_scale)."""
         return depth[0] if len(depth) == 1 and not other_requests else None
 
-    def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
-        """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
+    def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int], parts: bool = False):
+        """The round's draft forwards: one per draft level past the first, and the extend (catch-up included);
+        parts: (that, the extend's rows past its call: CostModel.extend_parts)."""
         if not any(depth):
-            return 0.0
+            return (0.0, 0.0) if parts else 0.0
         t = 0.0
         for s in range(1, self.num_steps):
             t += self.cost.draft(sum(self.frontier(s) for k in depth if abs(k) > s))
-        return t + self.cost.draft(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
+        call, rows = self.cost.extend_parts(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending)
+                                                          if k != 0))))
+        return (t + call + rows, rows) if parts else t + call + rows
 
     # -- feedback ---------------------------------------------------------------------------
     def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:

@@ -169,7 +169,8 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             speculating = sum(1 for steps, _ in plans if steps > 0)
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
                                       policy.last_draft_s, speculating,
-                                      draft_s=draft_s if not self.proposer.model_free else None)
+                                      draft_s=draft_s if not self.proposer.model_free else None,
+                                      predicted_rows_s=policy.last_draft_rows_s)
             self._last_round = (t_round, len(decode), speculating > 0, time.perf_counter() - t_round)
         return results
 

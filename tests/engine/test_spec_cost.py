@@ -4,6 +4,7 @@ import pytest
 from specpd.engine.spec_cost import CostModel, PiecewiseLinear
 from specpd.engine.spec_policy import AdaptivePolicy
 from tests.engine.test_spec_policy import policy_with
+from tests.engine.test_spec_probe import epyc_like
 
 MS = 1e-3
 
@@ -220,3 +221,30 @@ def test_a_round_the_box_stalled_in_does_not_stop_speculation():
     assert after[0] < before[0] + 0.2 * MS
     assert all(a <= b * 4.0 ** 0.1 * 1.001 for a, b in zip(after[1:], before[1:])), (before, after)
     assert policy.plan(["a"])[0][0] >= 2
+
+
+def test_an_extend_is_priced_by_its_own_table_and_draft_scale_multiplies_its_call_alone():
+    """A catch-up over a chat prompt (~150 rows) runs the draft's head on its last row only: 1.3 ms on the box
+    the table comes from, where the draft table (a head on every row) read 8.5 ms, and times a draft_scale
+    learned on rounds of a few rows (2.6: Python around each call) 26 ms. The call pays draft_scale, the rows
+    past it the table's price."""
+    cost = epyc_like()
+    cost.draft_scale, cost.scale = 2.6, 1.2
+    rows = cost.extend_rows(150) - cost.extend_rows(1)
+    assert cost.extend(150) == pytest.approx(1.2 * (2.6 * 0.42 * MS + rows))
+    assert cost.extend(150) < cost.draft(150) / 5
+    assert cost.extend(1) == pytest.approx(1.2 * 2.6 * 0.42 * MS) and cost.extend(0) == 0.0
+    assert epyc_like(extend=False).extend(150) == epyc_like(extend=False).draft(150)  # a pinned table: as before
+
+
+def test_draft_scale_is_read_off_the_calls_not_an_extends_rows():
+    """Rounds whose draft work is 2x the draft's calls plus an extend's rows at the table's price read draft_scale
+    2, however long the extend: the rows (catch-ups of every size) do not dilute or inflate it."""
+    for pending in (2, 60, 300):
+        cost = epyc_like()
+        call, rows = cost.extend_parts(pending)  # (at draft_scale 1)
+        work = 2 * (call + cost.draft(4)) + rows
+        for _ in range(100):
+            cost.observe_round(1, work, True, cost.draft(4) + cost.extend(pending), 1, draft_s=work,
+                               predicted_rows_s=cost.extend_parts(pending)[1])
+        assert cost.draft_scale == pytest.approx(2.0, rel=0.02), pending

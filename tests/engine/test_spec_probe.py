@@ -1,6 +1,7 @@
 """Probes (spec_policy.py 4): a probe dearer than what the budget saves over PROBE_CREDIT_ROUNDS rounds is still
 taken in time (the budget saves up to its price), and the whole stays within PROBE_BUDGET; a shadow probe's outcome
-is what the tree it stands for would have kept."""
+is what the tree it stands for would have kept; a lone request that began at depth 0 with its prompt's extend deferred
+probes within its reply (the catch-up priced as an extend runs: CostModel.extend)."""
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,14 @@ from specpd.engine.spec_policy import PROBE_BUDGET, PROBE_CREDIT_ROUNDS, Adaptiv
 from specpd.engine.spec_runner import SpecRunner
 
 MS = 1e-3
+
+
+def epyc_like(extend: bool = True) -> CostModel:
+    """The startup table an AVX512-BF16 EPYC measured (2 threads, bf16): a target step of 8.5 ms, a draft forward
+    with its head on every row, and (`extend`) a draft extend with its head on the last row alone."""
+    return CostModel({1: 8.5 * MS, 5: 9.8 * MS, 8: 11.1 * MS, 64: 53.8 * MS}, per_request=0.2 * MS,
+                     draft_rows={1: 0.44 * MS, 16: 1.13 * MS, 64: 4.1 * MS},
+                     extend_rows={1: 0.42 * MS, 16: 0.49 * MS, 64: 0.9 * MS} if extend else None)
 
 
 def test_a_probe_dearer_than_the_saved_budget_is_taken_in_time():
@@ -69,3 +78,24 @@ def test_a_shadow_probes_interval_stops_doubling_at_its_own_cap():
         policy.observe(f"r{shadow}", 1, 1, top_path=1, shadow=shadow)  # a hit: back to the shortest interval
         assert st.probe_every == 8
     assert SHADOW_PROBE_MAX < PROBE_MAX
+
+
+def test_a_lone_request_that_began_at_depth_0_probes_within_its_reply():
+    """A chat request whose prior said depth 0 (the engine-wide rate fell on the last replies' misses), its prompt's
+    extend deferred (150 rows): its first shadow probe catches the draft up over the prompt, paid from the probe
+    budget. Priced as a draft extend runs (the head on the last row), the budget covers it within a 96-token reply;
+    priced with the head on every row and times draft_scale (2.6), it took ~500 rounds, and a c1 server whose
+    prior had fallen decoded every later reply plainly (0.86x plain on an AVX512-BF16 EPYC, where a fixed
+    depth read 1.18x)."""
+    first = {}
+    for extend in (True, False):
+        policy = AdaptivePolicy(4, 4, 5, epyc_like(extend), shadow=True)
+        policy.cost.draft_scale = 2.6
+        policy.global_accept = [0.1] * 4
+        for n in range(96):
+            plan = policy.plan(["a"], pending=[n], unpriced=[150])
+            assert plan == [(0, 1)]
+            if policy.shadow_probes:
+                first[extend] = n
+                break
+    assert first.get(True, 96) < 96 <= first.get(False, 96)

@@ -4,7 +4,8 @@ round's timing scales the whole table, target and draft alike (`CostModel.scale`
 forward keep their measured shares of a round, and what speculating rounds cost outside the target forward
 beyond that scales the draft's prices further (`CostModel.draft_scale`). A draft extend (a catch-up, a round's
 extend) has a table of its own: it runs the draft's head on each request's last row only, so its rows cost a
-layer's KV writes, not a head each (`CostModel.extend`)."""
+layer's KV writes, not a head each (`CostModel.extend`), and its online scale is read off the catch-ups, each one
+extend call timed alone (`CostModel.extend_scale`)."""
 from __future__ import annotations
 
 import bisect
@@ -16,6 +17,7 @@ SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a r
 SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
 # a lone request's rounds read spec_scale per option (depth and width) and both ways: `CostModel.spec_scale`
 OPTION_SCALE_RANGE = (0.5, 8.0)
+EXTEND_SCALE_RANGE = (0.5, 8.0)
 # one round's reading moves a learned price by at most a step towards OUTLIER x (or 1 / OUTLIER x) it, plus
 # OUTLIER_FLOOR_S for an additive one: a round the box stalled for seconds (a shared 2-core VM does) once set
 # `round_overhead` to ~0.5 s a request, and as only a speculating round reads it again, that server never
@@ -89,6 +91,11 @@ class CostModel:
         # ms, and times draft_scale (2.6, learned on rounds of a few rows) 26 ms: a shadow probe the budget saved
         # up for over ~500 rounds, so a request that began at depth 0 never probed in its reply (c1 at 0.86x plain)
         self.extend_rows = PiecewiseLinear(extend_rows) if extend_rows and draft_rows else None
+        # measured / priced seconds of a catch-up (one extend call, timed alone: `observe_extend`), on top of the
+        # online scale: served, between target forwards, an extend read ~2.5x its warm table (the draft's weights
+        # and the request's KV come from memory, not cache), and probes priced at the table spent ~1% of a batch of
+        # 8's time against their 0.5% budget
+        self.extend_scale = 1.0
         self.frozen = frozen
         self.clock = clock  # what the startup table was timed with: "thread_cpu" or "wall" (spec_calibration)
         # measured / tabled seconds of a decode round's target forward (longer contexts than the calibration's,
@@ -152,21 +159,21 @@ class CostModel:
             return 0.0
         return self.draft_rows(rows) * self.scale * self.draft_scale
 
-    def extend_parts(self, rows: float) -> tuple[float, float]:
-        """(call, rows) seconds of one draft extend over `rows` rows: its call, one row's extend, at the draft's
-        prices (draft_scale: what a round adds around a draft forward is Python per call), and the rows past it
-        at the table's alone (KV writes through one layer, which no per-call overhead multiplies)."""
-        if rows <= 0 or self.draft_rows is None:
-            return 0.0, 0.0
-        if self.extend_rows is None:
-            return self.draft(rows), 0.0
-        one = self.extend_rows(1)
-        return one * self.scale * self.draft_scale, max(0.0, self.extend_rows(rows) - one) * self.scale
-
     def extend(self, rows: float) -> float:
-        """Seconds of one draft extend over `rows` rows (`extend_parts`)."""
-        call, more = self.extend_parts(rows)
-        return call + more
+        """Seconds of one draft extend over `rows` rows: its own table's, at the online scale and `extend_scale`
+        (a pinned table, without one: a draft forward's price)."""
+        if rows <= 0 or self.draft_rows is None:
+            return 0.0
+        if self.extend_rows is None:
+            return self.draft(rows)
+        return self.extend_rows(rows) * self.scale * self.extend_scale
+
+    def observe_extend(self, rows: int, seconds: float) -> None:
+        """A catch-up: one draft extend call over `rows` rows in all took `seconds`."""
+        if self.frozen or rows <= 0 or self.extend_rows is None:
+            return
+        reading = seconds / max(self.extend_rows(rows) * self.scale, 1e-9)
+        self.extend_scale = _ema_log(self.extend_scale, reading, EXTEND_SCALE_RANGE)
 
     def observe_target(self, requests: int, rows: int, seconds: float) -> None:
         """A decode round's target forward (no prefill in it): `requests` requests, `rows` rows in all."""
@@ -180,12 +187,14 @@ class CostModel:
         self.scale += ONLINE_RATE * (ratio - self.scale)
 
     def observe_round(self, requests: int, outside_s: float, speculated: bool, predicted_draft_s: float,
-                      speculating: int = 0, draft_s: float | None = None, predicted_rows_s: float = 0.0) -> None:
+                      speculating: int = 0, draft_s: float | None = None, predicted_extend_s: float = 0.0,
+                      extend_s: float | None = None) -> None:
         """One decode round (no prefill in it): `outside_s` = its seconds outside the target forward,
-        `predicted_draft_s` = what `draft` and `extend` predicted for its draft forwards, `predicted_rows_s` the
-        part of it draft_scale does not multiply (an extend's rows past its call), `speculating` = its requests
-        above depth 0, `draft_s` = the seconds of its draft work within outside_s where the caller timed it
-        apart (then the draft's price learns from that alone and the rest is `round_overhead`)."""
+        `predicted_draft_s` = what `draft` and `extend` predicted for its draft work, `predicted_extend_s` the
+        extend's part of it where it has its own price (`extend`), `speculating` = its requests above depth 0,
+        `draft_s` = the seconds of its draft work within outside_s where the caller timed it apart (then the
+        draft levels' price learns from that, less `extend_s`, the catch-up's seconds (read by `observe_extend`;
+        None: as predicted), and the rest is `round_overhead`)."""
         if self.frozen or requests <= 0:
             return
         if speculated and predicted_draft_s <= 0:
@@ -201,19 +210,22 @@ class CostModel:
             per = outside_s / requests
             self.off_overhead = per if self.off_overhead is None else _ema_add(self.off_overhead, per)
             return
-        scaled = max(predicted_draft_s - predicted_rows_s, 1e-9) / self.draft_scale  # at draft_scale 1
+        levels = (predicted_draft_s - predicted_extend_s) / self.draft_scale  # the draft levels, at draft_scale 1
+        extend_s = predicted_extend_s if extend_s is None else extend_s
         if draft_s is not None:
-            ratio = max(draft_s - predicted_rows_s, 1e-6) / scaled
-            self.draft_scale = _ema_log(self.draft_scale, ratio, DRAFT_SCALE_RANGE)
-            per = max(outside_s - draft_s - (self.off_overhead or 0.0) * requests, 0.0) / requests
+            if levels > 0:
+                self.draft_scale = _ema_log(self.draft_scale, max(draft_s - extend_s, 1e-6) / levels,
+                                            DRAFT_SCALE_RANGE)
+            # a round with no draft level to price (depth 1: its proposal is the extend's top-k) leaves the tree's
+            # Python, as the verify path's, to `round_overhead`
+            per = max(outside_s - (draft_s if levels > 0 else extend_s) - (self.off_overhead or 0.0) * requests,
+                      0.0) / requests
             self.round_overhead = _ema_add(self.round_overhead, per)
-        else:
-            # before any round at depth 0 (a server that speculated from its first round) the whole of the round
-            # outside the target counts as the draft's: dearer than it is by a plain round's bookkeeping, never
-            # stuck at the startup price
-            excess = max(outside_s - (self.off_overhead or 0.0) * requests - predicted_rows_s, 1e-6)
-            ratio = excess / scaled
-            self.draft_scale = _ema_log(self.draft_scale, ratio, DRAFT_SCALE_RANGE)
+        elif levels > 0:
+            # untimed (a caller that did not time its draft work apart): the whole of the round outside the target
+            # and a plain round's bookkeeping counts as the draft's, never stuck at the startup price
+            excess = max(outside_s - (self.off_overhead or 0.0) * requests - extend_s, 1e-6)
+            self.draft_scale = _ema_log(self.draft_scale, excess / levels, DRAFT_SCALE_RANGE)
 
     def observe_spec_extra(self, measured_s: float, predicted_s: float, requests: int = 1,
                            option: int | None = None) -> None:
@@ -233,6 +245,7 @@ class CostModel:
     def as_dict(self) -> dict:
         return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),
                 "per_request": self.per_request, "scale": self.scale, "draft_scale": self.draft_scale,
+                "extend_scale": self.extend_scale,
                 "off_overhead": self.off_overhead, "round_overhead": self.round_overhead,
                 "spec_scale": {f"batch>={b}": s for b, s in sorted(self._spec_scales.items())},
                 "option_scale": {str(k): s for k, s in sorted(self._option_scales.items())},

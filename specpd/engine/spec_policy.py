@@ -33,8 +33,8 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      work moved earlier and went uncharged (`catch_up_settled`, which `--spec-adaptive-pinned` keeps: its rounds
      then depend on the request's own history only), and at chat c32 the prompt catch-ups of probes that were
      priced one draft forward each came to ~2% of the step, the settles another ~1.4%. A catch-up and a round's
-     extend are priced as an extend runs (`CostModel.extend`: the head on the last row alone, draft_scale on its
-     call only). (Charged in full while
+     extend are priced as an extend runs (`CostModel.extend`: the head on the last row alone, its scale read off
+     the catch-ups). (Charged in full while
      the engine settled them anyway, a request at depth 0 had come back only through a probe whose price grew a
      row a round, outgrowing what the budget saved: a decode server that never speculated, issue 31; the budget
      now saves up to the dearest waiting probe, 4.)
@@ -115,7 +115,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         self.stats = PlanStats()
         self.probe_credit = 0.0  # seconds of modelled time probes may still spend (PROBE_BUDGET)
         self.last_draft_s = 0.0  # the last plan's predicted draft seconds (for CostModel.observe_round)
-        self.last_draft_rows_s = 0.0  # the part of it draft_scale does not multiply (CostModel.extend_parts)
+        self.last_extend_s = 0.0  # its extend's part where that has a price of its own (CostModel.extend)
         # the last plan's (depth-0 round seconds, seconds speculating adds before CostModel.spec_scale), priced;
         # None when it did not speculate
         self.last_extra: tuple[float, float] | None = None
@@ -231,7 +231,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
         # what the round's draft forwards will cost, catch-ups in full (CostModel.observe_round compares)
-        self.last_draft_s, self.last_draft_rows_s = self._draft_time(depth, gains, pending, parts=True)
+        self.last_draft_s, self.last_extend_s = self._draft_time(depth, gains, pending, parts=True)
         self.last_extra = None
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
             # with the catch-ups it will run (`pending`), which a decision may leave uncharged (4b) but the round's
@@ -342,15 +342,16 @@ class AdaptivePolicy(AcceptanceEstimates):
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int], parts: bool = False):
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included);
-        parts: (that, the extend's rows past its call: CostModel.extend_parts)."""
+        parts: (that, the extend's part where it has a price of its own: CostModel.extend)."""
         if not any(depth):
             return (0.0, 0.0) if parts else 0.0
         t = 0.0
         for s in range(1, self.num_steps):
             t += self.cost.draft(sum(self.frontier(s) for k in depth if abs(k) > s))
-        call, rows = self.cost.extend_parts(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending)
-                                                          if k != 0))))
-        return (t + call + rows, rows) if parts else t + call + rows
+        ext = self.cost.extend(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
+        if not parts:
+            return t + ext
+        return t + ext, (ext if self.cost.extend_rows is not None else 0.0)
 
     # -- feedback ---------------------------------------------------------------------------
     def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:

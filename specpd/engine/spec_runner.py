@@ -66,7 +66,7 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         items = batch.items
         decode = [it for it in items if it.spec_decode]
         requests = [it.request for it in decode]
-        plans, shadow, prompt_catch_up = None, set(), False
+        plans, shadow, prompt_catch_up, catch_s = None, set(), False, 0.0
         t_round = time.perf_counter()
         self._observe_cycle(t_round)
         draft_s = 0.0  # the round's draft work (catch-up, proposal, extend): CostModel.observe_round splits by it
@@ -83,9 +83,12 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             # a prompt's deferred extend (unpriced) in the catch-up: work the eager extend did at prefill, not what
             # this round's speculation costs, so the round is not read (observe_round, observe_round_time)
             prompt_catch_up = any(self._prompt_pending.get(r.request_id) for r in catching)
+            caught = sum(self._pending.get(r.request_id, 0) + self._prompt_pending.get(r.request_id, 0)
+                         for r in catching)
             t0 = time.perf_counter()
             self._catch_up(catching)
-            draft_s = time.perf_counter() - t0
+            draft_s = catch_s = time.perf_counter() - t0
+            policy.cost.observe_extend(caught, catch_s)  # one extend call (CostModel.extend_scale)
             if not any(steps for steps, _ in plans):
                 return self._plain_round(batch, suppress, t_round, shadow)
         t0 = time.perf_counter()
@@ -170,7 +173,7 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
                                       policy.last_draft_s, speculating,
                                       draft_s=draft_s if not self.proposer.model_free else None,
-                                      predicted_rows_s=policy.last_draft_rows_s)
+                                      predicted_extend_s=policy.last_extend_s, extend_s=catch_s)
             self._last_round = (t_round, len(decode), speculating > 0, time.perf_counter() - t_round)
         return results
 

@@ -223,28 +223,38 @@ def test_a_round_the_box_stalled_in_does_not_stop_speculation():
     assert policy.plan(["a"])[0][0] >= 2
 
 
-def test_an_extend_is_priced_by_its_own_table_and_draft_scale_multiplies_its_call_alone():
+
+def test_an_extend_is_priced_by_its_own_table_and_its_scale_read_off_the_catch_ups():
     """A catch-up over a chat prompt (~150 rows) runs the draft's head on its last row only: 1.3 ms on the box
     the table comes from, where the draft table (a head on every row) read 8.5 ms, and times a draft_scale
-    learned on rounds of a few rows (2.6: Python around each call) 26 ms. The call pays draft_scale, the rows
-    past it the table's price."""
+    learned on rounds of a few rows (2.6: Python around each draft level) 26 ms. Served between target forwards
+    it reads more than its warm table (2.5x on that box): each catch-up, one extend call timed alone, teaches
+    `extend_scale`, and nothing else."""
     cost = epyc_like()
     cost.draft_scale, cost.scale = 2.6, 1.2
-    rows = cost.extend_rows(150) - cost.extend_rows(1)
-    assert cost.extend(150) == pytest.approx(1.2 * (2.6 * 0.42 * MS + rows))
-    assert cost.extend(150) < cost.draft(150) / 5
-    assert cost.extend(1) == pytest.approx(1.2 * 2.6 * 0.42 * MS) and cost.extend(0) == 0.0
-    assert epyc_like(extend=False).extend(150) == epyc_like(extend=False).draft(150)  # a pinned table: as before
+    assert cost.extend(150) == pytest.approx(1.2 * cost.extend_rows(150))
+    assert cost.extend(150) < cost.draft(150) / 5 and cost.extend(0) == 0.0
+    for _ in range(100):
+        cost.observe_extend(150, 2.5 * 1.2 * cost.extend_rows(150))
+    assert cost.extend_scale == pytest.approx(2.5, rel=0.02) and cost.draft_scale == 2.6
+    assert cost.extend(40) == pytest.approx(2.5 * 1.2 * cost.extend_rows(40), rel=0.02)
+    pinned = epyc_like(extend=False)  # a pinned table has none: an extend is priced as a draft forward
+    assert pinned.extend(150) == pinned.draft(150)
+    frozen = epyc_like()
+    frozen.frozen = True
+    frozen.observe_extend(150, 1.0)
+    assert frozen.extend_scale == 1.0
 
 
-def test_draft_scale_is_read_off_the_calls_not_an_extends_rows():
-    """Rounds whose draft work is 2x the draft's calls plus an extend's rows at the table's price read draft_scale
-    2, however long the extend: the rows (catch-ups of every size) do not dilute or inflate it."""
+def test_draft_scale_is_read_off_the_draft_levels_not_the_catch_up():
+    """Rounds whose draft levels cost 2x their table read draft_scale 2 whatever their catch-up (2 rows or a
+    300-row prompt, at any price): the catch-up's measured seconds come off the draft work first."""
     for pending in (2, 60, 300):
         cost = epyc_like()
-        call, rows = cost.extend_parts(pending)  # (at draft_scale 1)
-        work = 2 * (call + cost.draft(4)) + rows
+        levels = cost.draft(4)
         for _ in range(100):
-            cost.observe_round(1, work, True, cost.draft(4) + cost.extend(pending), 1, draft_s=work,
-                               predicted_rows_s=cost.extend_parts(pending)[1])
+            catch = 3 * cost.extend(pending)
+            cost.observe_round(1, 2 * levels + catch, True, cost.draft(4) + cost.extend(pending), 1,
+                               draft_s=2 * levels + catch, predicted_extend_s=cost.extend(pending), extend_s=catch)
         assert cost.draft_scale == pytest.approx(2.0, rel=0.02), pending
+        assert cost.round_overhead == pytest.approx(0.0, abs=1e-9)

@@ -30,6 +30,19 @@ def conversation(run_turn) -> list[tuple[list[int], tuple[int, int], int]]:
     return outs
 
 
+def complete(client: httpx.Client, prompt: list[int], p_url: str) -> tuple[list[int], tuple[int, int], int]:
+    """One greedy turn through the router: (its tokens, (verify rounds, accepted tokens), cached prompt tokens),
+    once the prefill server's pages are free again."""
+    body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "ignore_eos": True, "logprobs": 0}).json()
+    assert "choices" in body, body
+    wait_free_pages(p_url)
+    tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
+    usage = body["usage"]
+    return (tokens, (usage["spec_verify_count"], usage["spec_accepted_tokens"]),
+            usage["prompt_tokens_details"]["cached_tokens"])
+
+
 def unified(model_dir, eagle_dir, mode):
     spec = SpecConfig("eagle", draft_model=eagle_dir, spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6,
                       draft_mode=mode, spec_adaptive=False)
@@ -59,16 +72,9 @@ def test_multi_turn_under_pd_matches_unified(model_dir, eagle_dir, mode, local):
 
             def run(prompt):
                 before = httpx.get(p_url + "/server_info").json()["kv_bytes"]
-                body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                            "temperature": 0, "ignore_eos": True,
-                                                            "logprobs": 0}).json()
-                assert "choices" in body, body
-                wait_free_pages(p_url)
+                out = complete(client, prompt, p_url)
                 sent.append(httpx.get(p_url + "/server_info").json()["kv_bytes"] - before)
-                tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
-                usage = body["usage"]
-                return (tokens, (usage["spec_verify_count"], usage["spec_accepted_tokens"]),
-                        usage["prompt_tokens_details"]["cached_tokens"])
+                return out
 
             got = conversation(run)
             assert [(t, c) for t, c, _ in got] == [(t, c) for t, c, _ in want]
@@ -127,17 +133,7 @@ def test_a_decode_servers_cache_takes_no_page_whose_draft_kv_was_never_built(mod
                    *engine_args(model_dir), *flags]]) as (p_url, d_url):
         with servers([["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port",
                        str(p_boot)]]) as (router,), httpx.Client(base_url=router, timeout=60) as client:
-            def run(prompt):
-                body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                            "temperature": 0, "ignore_eos": True,
-                                                            "logprobs": 0}).json()
-                assert "choices" in body, body
-                wait_free_pages(p_url)
-                tokens = [int(t.removeprefix("token_id:")) for t in body["choices"][0]["logprobs"]["tokens"]]
-                usage = body["usage"]
-                return (tokens, (usage["spec_verify_count"], usage["spec_accepted_tokens"]),
-                        usage["prompt_tokens_details"]["cached_tokens"])
-            got = conversation(run)
+            got = conversation(lambda prompt: complete(client, prompt, p_url))
             assert [(t, c) for t, c, _ in got] == [(t, c) for t, c, _ in want]
             # the turn after the one that left pages lagging: D took fewer pages than the unified engine, which
             # rebuilt their draft KV from the features

@@ -136,9 +136,10 @@ class DeferredExtends:
         return DraftExtend(parts[0].request, parts[0].start, tokens, torch.cat([p.hidden for p in parts]),
                            at_end=refresh)
 
-    def _catch_up(self, requests) -> None:
+    def _catch_up(self, requests) -> int:
         """Run the deferred draft extends of requests about to draft, their proposals refreshed, one slice per
-        request."""
+        request, in one extend call. Returns the rows it ran."""
         extends = [ext for req in requests if (ext := self._merged(req.request_id)) is not None]
         if extends:
             self.proposer.extend(extends)
+        return sum(len(ext.token_ids) for ext in extends)

@@ -231,7 +231,9 @@ class AdaptivePolicy(AcceptanceEstimates):
         if gains is None and any(depth):  # the idle shortcut, and a frozen policy's probe: its round's estimates
             gains = self._gains(request_ids)
         # what the round's draft forwards will cost, catch-ups in full (CostModel.observe_round compares)
-        self.last_draft_s, self.last_extend_s = self._draft_time(depth, gains, pending, parts=True)
+        extend = self._extend_time(depth, gains, pending) if any(depth) else 0.0
+        self.last_draft_s = self._levels_time(depth) + extend
+        self.last_extend_s = extend if self.cost.extend_rows is not None else 0.0
         self.last_extra = None
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
             # with the catch-ups it will run (`pending`), which a decision may leave uncharged (4b) but the round's
@@ -340,18 +342,20 @@ class AdaptivePolicy(AcceptanceEstimates):
         """A lone request's option, which its round's spec_scale is read and priced by (CostModel.spec_scale)."""
         return depth[0] if len(depth) == 1 and not other_requests else None
 
-    def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int], parts: bool = False):
-        """The round's draft forwards: one per draft level past the first, and the extend (catch-up included);
-        parts: (that, the extend's part where it has a price of its own: CostModel.extend)."""
+    def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
+        """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
         if not any(depth):
-            return (0.0, 0.0) if parts else 0.0
-        t = 0.0
-        for s in range(1, self.num_steps):
-            t += self.cost.draft(sum(self.frontier(s) for k in depth if abs(k) > s))
-        ext = self.cost.extend(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
-        if not parts:
-            return t + ext
-        return t + ext, (ext if self.cost.extend_rows is not None else 0.0)
+            return 0.0
+        return self._levels_time(depth) + self._extend_time(depth, gains, pending)
+
+    def _levels_time(self, depth: list[int]) -> float:
+        """The round's draft forwards past the first level (the extend's top-k is the first)."""
+        return sum(self.cost.draft(sum(self.frontier(s) for k in depth if abs(k) > s))
+                   for s in range(1, self.num_steps))
+
+    def _extend_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
+        """The round's draft extend, its catch-up included (CostModel.extend)."""
+        return self.cost.extend(int(round(sum(g[k] + p for g, k, p in zip(gains, depth, pending) if k != 0))))
 
     # -- feedback ---------------------------------------------------------------------------
     def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:

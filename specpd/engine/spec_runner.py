@@ -83,12 +83,11 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             # a prompt's deferred extend (unpriced) in the catch-up: work the eager extend did at prefill, not what
             # this round's speculation costs, so the round is not read (observe_round, observe_round_time)
             prompt_catch_up = any(self._prompt_pending.get(r.request_id) for r in catching)
-            caught = sum(self._pending.get(r.request_id, 0) + self._prompt_pending.get(r.request_id, 0)
-                         for r in catching)
             t0 = time.perf_counter()
-            self._catch_up(catching)
+            caught = self._catch_up(catching)
             draft_s = catch_s = time.perf_counter() - t0
-            policy.cost.observe_extend(caught, catch_s)  # one extend call (CostModel.extend_scale)
+            if caught:
+                policy.cost.observe_extend(caught, catch_s)  # one extend call (CostModel.extend_scale)
             if not any(steps for steps, _ in plans):
                 return self._plain_round(batch, suppress, t_round, shadow)
         t0 = time.perf_counter()

@@ -78,6 +78,7 @@ def load(filename: str) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(path)
     lib.amx = _use_amx(lib, "specpd_gemm_bf16_use_amx", gemm_amx_wanted())
     lib.attention_amx = _use_amx(lib, "specpd_attention_use_amx", attention_amx_wanted())
+    lib.attention_dpbf16 = _use_amx(lib, "specpd_attention_use_dpbf16", attention_dpbf16_wanted())
     return lib
 
 
@@ -103,3 +104,11 @@ def attention_amx_wanted() -> bool:
     scores and P.V on AMX tiles where the CPU has them, unless SPECPD_ATTENTION_AMX=0: one choice per process, so
     a decode step and a verify row round alike whichever library attends."""
     return os.environ.get("SPECPD_ATTENTION_AMX", "1") != "0" and isa() == "amx"
+
+
+def attention_dpbf16_wanted() -> bool:
+    """Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper Lake), every library holding the CPU
+    attention attends bf16 with vdpbf16ps dot products, rounding as the AMX path does (the query and the softmax's
+    probabilities to bf16, sums in fp32), unless SPECPD_ATTENTION_DPBF16=0 (the fp32 vector path then; benchmarks
+    A/B it that way): one choice per process, as attention_amx_wanted."""
+    return os.environ.get("SPECPD_ATTENTION_DPBF16", "1") != "0" and isa() == "avx512_bf16"

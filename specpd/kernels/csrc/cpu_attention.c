@@ -310,28 +310,23 @@ typedef struct {
   float* Vc;   /* [CH][D] (the generic path's V rows) */
 } Block;
 
-#ifdef ATTN_AMX
-/* run_chunk on AMX tiles (bf16 pool, D a multiple of 32): see attn_use_amx. Keys past n are zero (finite scores,
-   and a masked key's P is exactly 0). Tiles (attn_amx_configure, mr = a group's vector rows): tmm0..3 fp32
-   mr x 16 (the scores, then four 16-dim blocks of P.V), tmm4 Q (mr vectors x 32 dims), tmm5 K^T (16 dim pairs x
-   16 keys), tmm6 P (mr vectors x 16 keys), tmm7 V (8 key pairs x 16 dims). */
-static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
-                          const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
+#ifdef ATTN_DP
+/* A chunk's keys and values as the bf16 pair products take them, in KT's buffer (both bf16 paths): K transposed by
+   pairs of dims ([D / 2] vectors, lane j: key j's dims 2i, 2i + 1; the transpose moves bits), then V interleaved by
+   pairs of keys ([D / 16][8] vectors, lane d: keys 2p, 2p + 1 of dim 16b + d). Keys past n are zero: finite
+   scores, and their P is exactly 0. */
+static void stage_pairs(const Block* k, const int64_t* offs, int64_t n) {
   const Args* a = k->a;
-  const int64_t D = k->D, G = k->G;
+  const int64_t D = k->D;
   const uint16_t* pool = (const uint16_t*)a->pool;
-  uint16_t* Kt = (uint16_t*)k->KT;  /* [D / 32][16 dim pairs][16 keys][2]: one B tile per 32 dims */
-  uint16_t* Vp = Kt + D * CH;       /* [D / 16][8 key pairs][16 dims][2]: one B tile per 16 dims */
-  float (*O)[D] = (float (*)[D])k->Vc;  /* a group's P.V, [16][D] */
-  float (*acc)[D] = (float (*)[D])k->acc;
-  float* m = k->m;
-  float* l = k->l;
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* a key's 32 dims as 16 dwords (pairs); the transpose moves bits */
+  __m512i* Kt = (__m512i*)k->KT;
+  __m512i* Vp = Kt + D / 2;
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
     __m512 r[16];
     for (int64_t j = 0; j < CH; j++)
       r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(pool + offs[j] + a->k_off + d0)) : _mm512_setzero_ps();
     transpose16(r);
-    for (int p = 0; p < 16; p++) _mm512_store_ps((float*)(Kt + d0 * CH + 32 * p), r[p]);
+    for (int q = 0; q < 16; q++) _mm512_store_si512(Kt + d0 / 2 + q, _mm512_castps_si512(r[q]));
   }
   const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
   for (int64_t p = 0; p < CH / 2; p++)
@@ -339,9 +334,27 @@ static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const 
       const __m512i x = 2 * p < n ? _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + d0) : _mm512_setzero_si512();
       const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + d0)
                                       : _mm512_setzero_si512();
-      _mm512_store_si512(Vp + (d0 / 16) * 256 + 32 * p, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_store_si512(Vp + (d0 / 16 + 1) * 256 + 32 * p, _mm512_permutex2var_epi16(x, hi, y));
+      _mm512_store_si512(Vp + (d0 / 16) * 8 + p, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(Vp + (d0 / 16 + 1) * 8 + p, _mm512_permutex2var_epi16(x, hi, y));
     }
+}
+#endif
+
+#ifdef ATTN_AMX
+/* run_chunk on AMX tiles (bf16 pool, D a multiple of 32): see attn_use_amx. Keys past n are zero (finite scores,
+   and a masked key's P is exactly 0). Tiles (attn_amx_configure, mr = a group's vector rows): tmm0..3 fp32
+   mr x 16 (the scores, then four 16-dim blocks of P.V), tmm4 Q (mr vectors x 32 dims), tmm5 K^T (16 dim pairs x
+   16 keys), tmm6 P (mr vectors x 16 keys), tmm7 V (8 key pairs x 16 dims). */
+static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
+                          const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
+  const int64_t D = k->D, G = k->G;
+  uint16_t* Kt = (uint16_t*)k->KT;  /* [D / 32][16 dim pairs][16 keys][2]: one B tile per 32 dims */
+  uint16_t* Vp = Kt + D * CH;       /* [D / 16][8 key pairs][16 dims][2]: one B tile per 16 dims */
+  float (*O)[D] = (float (*)[D])k->Vc;  /* a group's P.V, [16][D] */
+  float (*acc)[D] = (float (*)[D])k->acc;
+  float* m = k->m;
+  float* l = k->l;
+  stage_pairs(k, offs, n);
   float S[16][16] __attribute__((aligned(64)));
   uint16_t P[16][16] __attribute__((aligned(64)));
   float alpha[16];
@@ -420,31 +433,14 @@ int specpd_attention_use_dpbf16(int on) {
 
 static void run_chunk_dp(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
                          const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
-  const Args* a = k->a;
   const int64_t D = k->D, G = k->G, P2 = D / 2;
-  const uint16_t* pool = (const uint16_t*)a->pool;
   __m512i* Kt = (__m512i*)k->KT;  /* [D / 2]: lane j holds key j's dims 2i, 2i + 1 (in KT's buffer) */
   __m512i* Vp = Kt + P2;          /* [D / 16][8]: lane d holds keys 2p, 2p + 1 of dim 16b + d */
   const uint32_t* Qd = (const uint32_t*)k->Qb;  /* [V][D / 2]: a vector's bf16 query by dim pairs */
   float (*acc)[D] = (float (*)[D])k->acc;
   float* m = k->m;
   float* l = k->l;
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* a key's 32 dims as 16 dwords (pairs); the transpose moves bits */
-    __m512 r[16];
-    for (int64_t j = 0; j < CH; j++)
-      r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(pool + offs[j] + a->k_off + d0)) : _mm512_setzero_ps();
-    transpose16(r);
-    for (int q = 0; q < 16; q++) _mm512_store_si512(Kt + d0 / 2 + q, _mm512_castps_si512(r[q]));
-  }
-  const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
-  for (int64_t p = 0; p < CH / 2; p++)
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* keys past n are zero: finite, and their P is exactly 0 */
-      const __m512i x = 2 * p < n ? _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + d0) : _mm512_setzero_si512();
-      const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + d0)
-                                      : _mm512_setzero_si512();
-      _mm512_store_si512(Vp + (d0 / 16) * 8 + p, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_store_si512(Vp + (d0 / 16 + 1) * 8 + p, _mm512_permutex2var_epi16(x, hi, y));
-    }
+  stage_pairs(k, offs, n);
   for (int64_t i = 0; i < nact; i++) {
     const int64_t v = act[i], row = v / G;
     const uint32_t* q = Qd + v * P2;

@@ -152,10 +152,14 @@ def _huge_kb_at(address: int) -> int:
     return int((_smaps_line(address, "AnonHugePages") or [0])[0])
 
 
-def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
+def test_written_weights_are_collapsed_onto_huge_pages_unchanged(monkeypatch):
     import torch
     from torch import nn
+    import specpd.machine as machine
     from specpd.kernels.cpu_linear import weights_on_huge_pages
+    # what is collapsed, not when collapsing stops: under a loaded CI box a chunk read slower than the rate and the
+    # collapse stopped after 2 MiB (that rule has its own test below)
+    monkeypatch.setattr(machine, "HUGE_PAGE_MIN_RATE", 0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 2048))  # 12 MiB of fp32, written by init
     before = [p.clone() for p in model.parameters()]
     import os
@@ -163,7 +167,7 @@ def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
     if release < (6, 1) or _thp_mode() in (None, "never"):
         pytest.skip("no MADV_COLLAPSE here (Linux < 6.1, or THP off)")
     got = weights_on_huge_pages(model)
-    if got == 0:  # the kernel may have no free huge page to give right now (a busy box): that, and nothing else
+    if got < 2 * HUGE_PAGE:  # the kernel may have no free huge page to give now (a busy box): that, and nothing else
         import ctypes
         import errno
         aligned = _interior(model[1].weight.data_ptr(), HUGE_PAGE * 2)[0]

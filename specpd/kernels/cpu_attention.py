@@ -11,9 +11,8 @@ fp32, K is rounded to the pool's dtype as it is stored, scores and the softmax r
 rounded once to the query's dtype. On a CPU with AMX a bf16 pool is attended on tiles
 (build.attention_amx_wanted; SPECPD_ATTENTION_AMX=0 turns it off): the rotated, scaled query and the softmax's
 probabilities are rounded to bf16 for the tile products (sums in fp32), as GPU flash attention does, for decode
-and verify rows alike; on one with AVX512-BF16 but no AMX (AMD Zen 4) the same rounding with vdpbf16ps dot
-products (build.attention_dpbf16_wanted; SPECPD_ATTENTION_DPBF16=0 turns it off). A row's result does not
-depend on the rows that share its call (a verify row equals the decode step over the same prefix bit for bit).
+and verify rows alike. A row's result does not depend on the rows that share its call (a verify
+row equals the decode step over the same prefix bit for bit).
 
 `specpd.attention.reference.fused_attention_ref` is the torch reference (paged_attention_ref over the same
 rotated inputs); the tests compare them on ragged batches, scattered pages, page boundaries, trees, GQA and

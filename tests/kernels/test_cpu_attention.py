@@ -22,29 +22,19 @@ pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the cpu 
 AMX = available() and isa() == "amx"
 
 
-@pytest.fixture(params=["vector", "dpbf16", "amx"])
+@pytest.fixture(params=["vector", "amx"])
 def path(request):
-    """The kernel's path for a bf16 test: the fp32 AVX-512 / portable one, AVX512-BF16 dot products or AMX tiles
-    (where the CPU and the build have them)."""
-    lib = _lib()
-    if request.param != "vector" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
-        pytest.skip("the bf16 paths take bf16 pools only")
+    """The kernel's path for a bf16 test: the AVX-512 / portable one, or AMX tiles (where the CPU has them)."""
     if request.param == "amx" and not AMX:
         pytest.skip("no AMX here")
-    amx, dp = lib.specpd_attention_use_amx(int(request.param == "amx")), lib.specpd_attention_use_dpbf16(
-        int(request.param == "dpbf16"))
-    if (amx, dp) != (request.param == "amx", request.param == "dpbf16"):
-        restore_paths(lib)
-        pytest.skip(f"this build of the kernel has no {request.param} path (an older CPU, an x86-64-v3 build)")
+    if request.param == "amx" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip("tiles take bf16 pools only")
+    lib = _lib()
+    if lib.specpd_attention_use_amx(int(request.param == "amx")) != (request.param == "amx"):
+        lib.specpd_attention_use_amx(int(lib.attention_amx))
+        pytest.skip("this build of the kernel has no AMX path (an x86-64-v3 build)")
     yield request.param
-    restore_paths(lib)
-
-
-def restore_paths(lib) -> None:
-    """The paths the process chose at load (build.load)."""
     lib.specpd_attention_use_amx(int(lib.attention_amx))
-    lib.specpd_attention_use_dpbf16(int(lib.attention_dpbf16))
-
 
 LAYER = 1
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),

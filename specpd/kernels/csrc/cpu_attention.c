@@ -23,9 +23,6 @@
 #define ATTN_AMX 1
 #include "amx.h"
 #endif
-#ifdef __AVX512BF16__
-#define ATTN_DP 1  /* bf16 attention on AVX512-BF16 dot products (specpd_attention_use_dpbf16) */
-#endif
 
 #define CH 16
 #define RB 16
@@ -230,15 +227,6 @@ CHUNK_KERNEL(chunk_avx512_d64_nv3, 64, 3)  /* GQA groups of 3 (SmolLM2's 9 / 3 h
 CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
 #endif
 
-#ifdef ATTN_DP  /* (ATTN_AMX implies it) */
-/* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */
-static const uint16_t PAIR_LO[32] __attribute__((aligned(64))) = {
-  0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-static const uint16_t PAIR_HI[32] __attribute__((aligned(64))) = {
-  16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-#endif
-
 #ifdef ATTN_AMX
 /* bf16 attention on AMX tiles (specpd_attention_use_amx; build.attention_amx_wanted). Per chunk of 16 keys and
    group of 16 query vectors (a block's vectors 16g .. 16g + 15): scores S[vector][key] = Q . K over D / 32
@@ -267,6 +255,12 @@ static void attn_amx_configure(int mr) {
   amx_load_config(rows, colsb);
 }
 
+/* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */
+static const uint16_t PAIR_LO[32] __attribute__((aligned(64))) = {
+  0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t PAIR_HI[32] __attribute__((aligned(64))) = {
+  16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 #else
 int specpd_attention_use_amx(int on) {  /* built without AMX (an x86-64-v3 build, an older CPU): never */
   (void)on;
@@ -300,45 +294,15 @@ static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, i
 typedef struct {
   const Args* a;
   int64_t D, G;
-  int fast, permuted, amx, dp;
+  int fast, permuted, amx;
   float* Q;    /* [V][D] */
-  uint16_t* Qb;  /* the bf16 queries: AMX [16 ceil(V / 16)][D], zero past V; the dot-product path [V][D] */
+  uint16_t* Qb;  /* [16 ceil(V / 16)][D]: the AMX path's bf16 queries, zero past V */
   float* acc;  /* [V][D] */
   float* m;
   float* l;
   float* KT;   /* [D][CH] */
   float* Vc;   /* [CH][D] (the generic path's V rows) */
 } Block;
-
-#ifdef ATTN_DP
-/* A chunk's keys and values as the bf16 pair products take them, in KT's buffer (both bf16 paths): K transposed by
-   pairs of dims ([D / 2] vectors, lane j: key j's dims 2i, 2i + 1; the transpose moves bits), then V interleaved by
-   pairs of keys ([D / 16][8] vectors, lane d: keys 2p, 2p + 1 of dim 16b + d). Keys past n are zero: finite
-   scores, and their P is exactly 0. */
-static void stage_pairs(const Block* k, const int64_t* offs, int64_t n) {
-  const Args* a = k->a;
-  const int64_t D = k->D;
-  const uint16_t* pool = (const uint16_t*)a->pool;
-  __m512i* Kt = (__m512i*)k->KT;
-  __m512i* Vp = Kt + D / 2;
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
-    __m512 r[16];
-    for (int64_t j = 0; j < CH; j++)
-      r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(pool + offs[j] + a->k_off + d0)) : _mm512_setzero_ps();
-    transpose16(r);
-    for (int q = 0; q < 16; q++) _mm512_store_si512(Kt + d0 / 2 + q, _mm512_castps_si512(r[q]));
-  }
-  const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
-  for (int64_t p = 0; p < CH / 2; p++)
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      const __m512i x = 2 * p < n ? _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + d0) : _mm512_setzero_si512();
-      const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + d0)
-                                      : _mm512_setzero_si512();
-      _mm512_store_si512(Vp + (d0 / 16) * 8 + p, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_store_si512(Vp + (d0 / 16 + 1) * 8 + p, _mm512_permutex2var_epi16(x, hi, y));
-    }
-}
-#endif
 
 #ifdef ATTN_AMX
 /* run_chunk on AMX tiles (bf16 pool, D a multiple of 32): see attn_use_amx. Keys past n are zero (finite scores,
@@ -347,14 +311,31 @@ static void stage_pairs(const Block* k, const int64_t* offs, int64_t n) {
    16 keys), tmm6 P (mr vectors x 16 keys), tmm7 V (8 key pairs x 16 dims). */
 static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
                           const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
+  const Args* a = k->a;
   const int64_t D = k->D, G = k->G;
+  const uint16_t* pool = (const uint16_t*)a->pool;
   uint16_t* Kt = (uint16_t*)k->KT;  /* [D / 32][16 dim pairs][16 keys][2]: one B tile per 32 dims */
   uint16_t* Vp = Kt + D * CH;       /* [D / 16][8 key pairs][16 dims][2]: one B tile per 16 dims */
   float (*O)[D] = (float (*)[D])k->Vc;  /* a group's P.V, [16][D] */
   float (*acc)[D] = (float (*)[D])k->acc;
   float* m = k->m;
   float* l = k->l;
-  stage_pairs(k, offs, n);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* a key's 32 dims as 16 dwords (pairs); the transpose moves bits */
+    __m512 r[16];
+    for (int64_t j = 0; j < CH; j++)
+      r[j] = j < n ? _mm512_castsi512_ps(_mm512_loadu_si512(pool + offs[j] + a->k_off + d0)) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int p = 0; p < 16; p++) _mm512_store_ps((float*)(Kt + d0 * CH + 32 * p), r[p]);
+  }
+  const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);
+  for (int64_t p = 0; p < CH / 2; p++)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const __m512i x = 2 * p < n ? _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + d0) : _mm512_setzero_si512();
+      const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + d0)
+                                      : _mm512_setzero_si512();
+      _mm512_store_si512(Vp + (d0 / 16) * 256 + 32 * p, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(Vp + (d0 / 16 + 1) * 256 + 32 * p, _mm512_permutex2var_epi16(x, hi, y));
+    }
   float S[16][16] __attribute__((aligned(64)));
   uint16_t P[16][16] __attribute__((aligned(64)));
   float alpha[16];
@@ -411,71 +392,6 @@ static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const 
 }
 #endif
 
-#ifdef ATTN_DP
-/* bf16 attention on AVX512-BF16 dot products (specpd_attention_use_dpbf16; build.attention_dpbf16_wanted), for a
-   CPU that has them but no AMX tiles (AMD Zen 4, Intel Cooper Lake): the AMX path's rounding (the rotated, scaled
-   query and the softmax's probabilities rounded to bf16, every product summed in fp32) with vdpbf16ps, which
-   multiplies a pair of bf16 lanes into each fp32 lane. Per chunk of 16 keys: K transposed by pairs of dims (lane
-   j: key j), so a vector's scores are D / 2 dot products with its query's dim pairs broadcast, in four chains
-   (pair i into chain i % 4, then (c0 + c1) + (c2 + c3)) and no horizontal sums; the online softmax as the other
-   paths'; V interleaved by pairs of keys (lane d: dim d), so P.V is 8 dot products a 16-dim block with P's key
-   pairs broadcast, into the accumulators after their rescale. A vector's arithmetic is the same whatever shares
-   its block, so a verify row equals the decode step bit for bit. A decode chunk (3 query vectors) takes about
-   half the instructions of the fp32 vector path, which widens every K and V row and sums each key's products
-   across lanes. One path per process, as AMX's; it rounds apart from the fp32 vector path. */
-static int attn_use_dp = 0;
-
-/* Use the dot-product path for bf16 pools when `on`; returns whether it is used. */
-int specpd_attention_use_dpbf16(int on) {
-  attn_use_dp = on != 0;
-  return attn_use_dp;
-}
-
-static void run_chunk_dp(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH],
-                         const float (*keep)[CH], int full, const int64_t* act, int64_t nact) {
-  const int64_t D = k->D, G = k->G, P2 = D / 2;
-  __m512i* Kt = (__m512i*)k->KT;  /* [D / 2]: lane j holds key j's dims 2i, 2i + 1 (in KT's buffer) */
-  __m512i* Vp = Kt + P2;          /* [D / 16][8]: lane d holds keys 2p, 2p + 1 of dim 16b + d */
-  const uint32_t* Qd = (const uint32_t*)k->Qb;  /* [V][D / 2]: a vector's bf16 query by dim pairs */
-  float (*acc)[D] = (float (*)[D])k->acc;
-  float* m = k->m;
-  float* l = k->l;
-  stage_pairs(k, offs, n);
-  for (int64_t i = 0; i < nact; i++) {
-    const int64_t v = act[i], row = v / G;
-    const uint32_t* q = Qd + v * P2;
-    __m512 c[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t p = 0; p < P2; p += 4)
-      for (int u = 0; u < 4; u++)
-        c[u] = _mm512_dpbf16_ps(c[u], (__m512bh)_mm512_set1_epi32((int)q[p + u]),
-                                (__m512bh)_mm512_load_si512(Kt + p + u));
-    __m512 x = _mm512_add_ps(_mm512_add_ps(c[0], c[1]), _mm512_add_ps(c[2], c[3]));
-    if (!full) x = _mm512_add_ps(x, _mm512_loadu_ps(vis[row]));
-    const float mx = _mm512_reduce_max_ps(x);
-    const float m_new = mx > m[v] ? mx : m[v];
-    x = _mm512_max_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.0f));
-    const __m512 e = full ? exp16(x) : _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[row]));
-    const float alpha = exp_neg(m[v] - m_new);  /* m[v] = -inf the first time: 0 */
-    l[v] = l[v] * alpha + _mm512_reduce_add_ps(e);
-    m[v] = m_new;
-    uint32_t pk[CH / 2] __attribute__((aligned(32)));  /* P by pairs of keys, bf16 */
-    _mm256_store_si256((__m256i*)pk, (__m256i)_mm512_cvtneps_pbh(e));
-    const __m512 al = _mm512_set1_ps(alpha);
-    for (int64_t b = 0; b < D / 16; b++) {
-      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc[v] + 16 * b), al);
-      for (int64_t p = 0; p < CH / 2; p++)
-        o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_set1_epi32((int)pk[p]), (__m512bh)_mm512_load_si512(Vp + 8 * b + p));
-      _mm512_storeu_ps(acc[v] + 16 * b, o);
-    }
-  }
-}
-#else
-int specpd_attention_use_dpbf16(int on) {  /* built without AVX512-BF16: never */
-  (void)on;
-  return 0;
-}
-#endif
-
 /* One chunk of n <= CH keys at element offsets offs[] (K half; V is at + v_off - k_off) for the active query
    vectors act[0..nact): vis / keep per block row (a 0 / -inf score offset and a 1 / 0 probability factor), or
    `full` (every key visible to every active vector, the same result as all-visible masks). */
@@ -493,12 +409,6 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
 #ifdef ATTN_AMX
   if (k->amx) {
     run_chunk_amx(k, offs, n, vis, keep, full, act, nact);
-    return;
-  }
-#endif
-#ifdef ATTN_DP
-  if (k->dp) {
-    run_chunk_dp(k, offs, n, vis, keep, full, act, nact);
     return;
   }
 #endif
@@ -599,15 +509,10 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
 #else
   const int fast = 0;
 #endif
-#ifdef ATTN_DP
-  const int dp = !amx && attn_use_dp && a->dt == 1 && D % 32 == 0;
-#else
-  const int dp = 0;
-#endif
-  const int64_t Vpad = amx ? (V + 15) / 16 * 16 : dp ? V : 1;
+  const int64_t Vpad = amx ? (V + 15) / 16 * 16 : 1;
   uint16_t Qb[Vpad][D] __attribute__((aligned(64)));
-  const Block k = {a, D, G, fast, fast && a->dt == 1 && !amx && !dp, amx, dp, &Q[0][0], &Qb[0][0], &acc[0][0],
-                   m, l, &KT[0][0], &Vc[0][0]};
+  const Block k = {a, D, G, fast, fast && a->dt == 1 && !amx, amx, &Q[0][0], &Qb[0][0], &acc[0][0], m, l,
+                   &KT[0][0], &Vc[0][0]};
   int64_t last = 0;  /* one past the last position any row of the block sees */
   for (int64_t i = 0; i < nr; i++) {
     int64_t row = r0 + i, t = q_start + row;
@@ -635,9 +540,6 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     if (*tile_rows != rows) attn_amx_configure(*tile_rows = rows);
   }
 #endif
-  if (dp)
-    for (int64_t v = 0; v < V; v++)
-      for (int64_t d = 0; d < D; d++) Qb[v][d] = f32_bf16(Q[v][d]);
   /* the chunks every row reads by slot: all of them, or with a tree those wholly before `prefix` */
   const int64_t shared = tree ? (prefix / CH) * CH : last;
   int64_t offs[CH], next[CH];

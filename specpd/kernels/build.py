@@ -75,15 +75,19 @@ def load(filename: str) -> ctypes.CDLL | None:
                 os.replace(out, path)  # atomic: concurrent builders see the whole file or none
         except (OSError, subprocess.SubprocessError):
             return None
-    lib = ctypes.CDLL(path)
-    lib.amx = _use_amx(lib, "specpd_gemm_bf16_use_amx", gemm_amx_wanted())
-    lib.attention_amx = _use_amx(lib, "specpd_attention_use_amx", attention_amx_wanted())
-    lib.attention_dpbf16 = _use_amx(lib, "specpd_attention_use_dpbf16", attention_dpbf16_wanted())
+    return switch_paths(ctypes.CDLL(path))
+
+
+def switch_paths(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Switch a kernel library's bf16 paths as this process wants them (one choice per process, whichever library
+    computes): `lib.amx` (the GEMM on AMX tiles) and `lib.attention_amx` say which are used."""
+    lib.amx = _switch(lib, "specpd_gemm_bf16_use_amx", gemm_amx_wanted())
+    lib.attention_amx = _switch(lib, "specpd_attention_use_amx", attention_amx_wanted())
     return lib
 
 
-def _use_amx(lib: ctypes.CDLL, setter: str, wanted: bool) -> bool:
-    """Switch a library's AMX tile path (where it has one): whether it is used, False where Linux refused the
+def _switch(lib: ctypes.CDLL, setter: str, wanted: bool) -> bool:
+    """Switch one of a library's AMX paths (where it has one): whether it is used, False where Linux refused the
     tile state."""
     fn = getattr(lib, setter, None)
     if fn is None:
@@ -104,11 +108,3 @@ def attention_amx_wanted() -> bool:
     scores and P.V on AMX tiles where the CPU has them, unless SPECPD_ATTENTION_AMX=0: one choice per process, so
     a decode step and a verify row round alike whichever library attends."""
     return os.environ.get("SPECPD_ATTENTION_AMX", "1") != "0" and isa() == "amx"
-
-
-def attention_dpbf16_wanted() -> bool:
-    """Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4, Intel Cooper Lake), every library holding the CPU
-    attention attends bf16 with vdpbf16ps dot products, rounding as the AMX path does (the query and the softmax's
-    probabilities to bf16, sums in fp32), unless SPECPD_ATTENTION_DPBF16=0 (the fp32 vector path then; benchmarks
-    A/B it that way): one choice per process, as attention_amx_wanted."""
-    return os.environ.get("SPECPD_ATTENTION_DPBF16", "1") != "0" and isa() == "avx512_bf16"

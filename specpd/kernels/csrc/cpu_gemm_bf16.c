@@ -57,6 +57,13 @@ int specpd_gemm_bf16_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* pac
 
 #ifdef __AVX512BF16__
 #define MR_MAX 6
+/* Each block's weight stream is asked for W_AHEAD 64-byte lines (2 KB) ahead, into L2 (prefetcht2; a hint, no
+   result changes): a tile reads four short streams (18 KB each at K = 576) and the next tile four new ones, too
+   short for the hardware prefetchers to ramp up on. On a Zen 4 EPYC, one forward's linears, old and new kernel
+   alternated: 1.04-1.17x faster from 1 to 64 rows while the box was loaded (the weights streaming at ~25 GB/s),
+   0.99-1.02x while it was quiet (~30 GB/s); 16 lines ahead gained less, 64 alike, into L1 (prefetcht0) lost
+   2-10%. Prefetching past a buffer's end does not fault. */
+#define W_AHEAD 32
 
 /* columns [0, cols) of a block of 16 (all of them short of the last block) */
 static inline __mmask16 col_mask(int64_t cols) {
@@ -77,6 +84,7 @@ static inline void store_bf16(uint16_t* y, __mmask16 mask, __m512 sums, __m512 b
     for (int r = 0; r < MR; r++)                                                                            \
       for (int j = 0; j < NB; j++) acc[r][j] = _mm512_setzero_ps();                                         \
     for (int64_t kp = 0; kp < kp_count; kp++) {                                                             \
+      for (int j = 0; j < NB; j++) __builtin_prefetch(w + (j * kp_count + kp + W_AHEAD) * 32, 0, 1);       \
       __m512bh wv[NB];                                                                                      \
       for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * kp_count + kp) * 32);     \
       for (int r = 0; r < MR; r++) {                                                                        \

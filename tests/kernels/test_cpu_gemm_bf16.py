@@ -1,5 +1,5 @@
 """The few-row bf16 GEMM (specpd/kernels/cpu_gemm_bf16.py) against its torch reference: ragged row counts
-(1..33, tiles of 6 rows and their remainders), widths that are not a multiple of 16 or of 64 (the last column
+(1..33, tiles of 6 or 8 rows and their remainders), widths that are not a multiple of 16 or of 64 (the last column
 block masked, blocks taken one at a time), SmolLM2's shapes, bias, thread counts; and batch invariance: every
 row of an M-row GEMM equals that row alone, bit for bit, at every M and thread count. Each on both paths where
 the CPU has AMX: the tile path (inputs a multiple of 32; row tiles of 16 and their remainders) and the vdpbf16ps

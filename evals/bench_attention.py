@@ -2,10 +2,11 @@
 
 One "step" is 30 layer calls (SmolLM2-135M: 9 query heads over 3 KV heads, head dim 64, page 16) through the
 backend's hot path (`Prepared.run`: the KV write of the step's rows, then attention), over the engine's pool (a
-KVPool, on huge pages where Linux gives them) whose pages are shuffled, at the shapes a server meets: decode at batch 1, 8, 32 with 300-800 tokens of context, and an
-8-node tree verify per request at batch 8 and 32. The kernel in the working tree runs against
-`--against REV`'s csrc/cpu_attention.c (compiled here with the same flags, its bf16 paths switched as the engine
-switches them), in rotated order, rep by rep; the outputs are compared bit for bit.
+KVPool, on huge pages where Linux gives them) whose pages are shuffled, at the shapes a server meets: decode at
+batch 1, 8, 32 with 300-800 tokens of context, and an 8-node tree verify per request at batch 8 and 32. The kernel
+in the working tree runs against `--against REV`'s csrc/cpu_attention.c (compiled here with the same flags, its
+bf16 paths switched as the engine's: common.kernel_at), in rotated order, rep by rep; the outputs are compared bit
+for bit.
 
     .venv/bin/python evals/bench_attention.py --against a3fe0bd     → evals/results/attention.json
 
@@ -15,10 +16,8 @@ CPU flash attention, bf16 GEMMs): what a GEMM-based prefill path would cost, not
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,7 @@ sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
 import torch  # noqa: E402
 
-from common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
-from specpd.kernels import build  # noqa: E402
+from common import REPO_ROOT, kernel_at, log, machine_info, versions, write_json  # noqa: E402
 from specpd.kernels.cpu_attention import Prepared, _kernel  # noqa: E402
 from specpd.kv.pool import KVPool  # noqa: E402
 from specpd.machine import isa  # noqa: E402
@@ -41,18 +39,6 @@ CASES = {"decode_b1_ctx300": (1, 300, 1), "decode_b8_ctx300": (8, 300, 1), "deco
          "verify_tree8_b32_ctx350": (32, 350, 8), "prefill_chunk512_after512": (1, 512, 512),
          "prefill_chunk512_after1536": (1, 1536, 512)}
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 4]  # an 8-node draft tree, two branches deep
-
-
-def compile_source(source: str, tmp: str):
-    """A kernel source compiled with the project's flags, loaded with the current kernel's signature."""
-    path, lib = os.path.join(tmp, "cpu_attention_against.c"), os.path.join(tmp, "against.so")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(source)
-    subprocess.run(["gcc", *build.flags(), "-I", build.source_path(""), "-o", lib, path], check=True)
-    # its bf16 paths switched as the engine's are (a revision without one runs its vector path)
-    fn = build.switch_paths(ctypes.CDLL(lib)).specpd_attention
-    fn.argtypes, fn.restype = _kernel().argtypes, _kernel().restype
-    return fn
 
 
 def make_case(batch: int, ctx: int, q_len: int, dtype: torch.dtype):
@@ -109,12 +95,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    source = subprocess.run(["git", "show", f"{args.against}:specpd/kernels/csrc/cpu_attention.c"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, check=True).stdout
     result = {"benchmark": "attention", "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
               "versions": versions(), "isa": isa(), "args": vars(args), "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {"current": _kernel(), "against": compile_source(source, tmp)}
+        against = kernel_at(args.against, "cpu_attention.c", tmp).specpd_attention
+        against.argtypes, against.restype = _kernel().argtypes, _kernel().restype
+        kernels = {"current": _kernel(), "against": against}
         for name, (batch, ctx, q_len) in CASES.items():
             step, prep, sdpa = make_case(batch, ctx, q_len, dtype)
             outs, times = {}, {k: [] for k in kernels}

@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from evals.report_tables import (acceptance, attention, gpu, hf_generate, offline, pd, pd_ttft, peers, peers_spec,
-                                 prefix, profile_depth0, profile_spec_round, profile_step, soak, spec_workloads,
-                                 structured, tp, tp_matrix)
+from evals.report_tables import (acceptance, attention, gemm_kernel, gpu, hf_generate, offline, pd, pd_ttft, peers,
+                                 peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, soak,
+                                 spec_workloads, structured, tp, tp_matrix)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "evals", "results")
@@ -126,6 +126,8 @@ RESULTS = [
     Result("attention.json", "bench_attention.py", "the CPU paged-attention kernel against an earlier commit",
            attention),
     Result("gemm.json", "bench_gemm.py", "GEMM paths (oneDNN, MKL, the few-row kernel) by rows and threads"),
+    Result("gemm_kernel.json", "bench_gemm_kernel.py", "the few-row GEMM kernel against an earlier commit, one "
+           "forward's linears by rows", gemm_kernel),
     Result("profile_spec_round.json", "profile_spec_round.py", "a speculative round at batch 1 against a plain step, "
            "and the adaptive policy against every round at the full tree", profile_spec_round),
     Result("profile_depth0.json", "profile_depth0.py", "where a spec engine's step goes when it does not "

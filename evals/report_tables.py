@@ -155,6 +155,14 @@ def attention(d: dict) -> str:
                   rows)
 
 
+def gemm_kernel(d: dict) -> str:
+    rows = [[m, _f(c["current_ms"], 2), _f(c["against_ms"], 2),
+             _f(c["speedup"], 3, "×") + f" ({_f(c['speedup_iqr'][0], 3)}–{_f(c['speedup_iqr'][1], 3)})",
+             _f(c["read_gb_s"], 1), c["bit_identical"]] for m, c in d["rows"].items()]
+    return _table(["rows", "ms (30 layers' linears)", f"ms at {d['args']['against']}", "speed-up (IQR)",
+                   "weights read GB/s", "bit-identical"], rows)
+
+
 def profile_step(d: dict) -> str:
     rows = []
     for name, c in d["cases"].items():

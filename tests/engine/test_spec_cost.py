@@ -223,7 +223,6 @@ def test_a_round_the_box_stalled_in_does_not_stop_speculation():
     assert policy.plan(["a"])[0][0] >= 2
 
 
-
 def test_an_extend_is_priced_by_its_own_table_and_its_scale_read_off_the_catch_ups():
     """A catch-up over a chat prompt (~150 rows) runs the draft's head on its last row only: 1.3 ms on the box
     the table comes from, where the draft table (a head on every row) read 8.5 ms, and times a draft_scale

@@ -33,7 +33,6 @@ speed drifts over minutes. `pairs` in the JSON: every server against specpd plai
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import os
 import subprocess
@@ -51,17 +50,15 @@ from peers_report import estimate_s, lscpu, pairs, parity_report, plot, summariz
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 CONFIGS, DTYPES, ENGINES = ("plain", "eagle3", "ngram"), ("bf16", "fp32"), ("specpd", "vllm", "llamacpp")
 WORKLOADS = ("chat", "grounded", "code")
-# --paired: what an idle specpd server would do beside the other servers' cells, turned off: the background
-# collapse onto huge pages runs only while its engine is idle (specpd/machine.py), i.e. while the others are measured
-PAIRED_SPECPD_ENV = (("SPECPD_HUGE_PAGES_LATER", "0"),)
 SINGLE_LIFECYCLE = ("one server at a time, started afresh for every rep and stopped (process group killed) after its "
                     "cells. Idle servers cost little CPU (idle_cpu_share: specpd and llama.cpp 0, vLLM ~0.01 of a core "
                     "once settled, ~0.33 for the ~1 s after a request), but 14 servers at once (vLLM: 2 GiB KV each) "
                     "would not fit in memory, and a fresh start every rep measures start-up each time")
 PAIRED_LIFECYCLE = ("--paired: a dtype's servers up at once for a rep (started one after another, stopped together), "
                     "each cell run on every one of them back to back in an order rotated cell by cell and rep by rep, "
-                    f"{PAIRED_GAP_S:.0f} s apart; specpd's servers without the background collapse onto huge pages "
-                    "(it runs while a server is idle: while the others are measured)")
+                    f"{PAIRED_GAP_S:.0f} s apart; every specpd server measured once its collapse onto huge pages after "
+                    "start-up has run (peers_client.settle_huge_pages: it runs while a server is idle, which would "
+                    "be while the others are measured)")
 
 
 # -- prompts -----------------------------------------------------------------------------------------
@@ -196,8 +193,6 @@ def main() -> int:
     from specpd.model.loader import load_checkpoint
     plan, parity, shared = prompt_plan(args, load_checkpoint("default").tokenizer)
     specs = server_specs(args, default_dtype, skipped)
-    if args.paired:
-        specs = [dataclasses.replace(s, env=s.env + PAIRED_SPECPD_ENV) if s.engine == "specpd" else s for s in specs]
     cells = [(w, c) for w in args.workloads for c in args.concurrency]
     servers = {s.name: {"cmd": list(s.cmd), "env": dict(s.env), "reps": []} for s in specs}
     report = {"benchmark": "peers", "description": __doc__.split("\n\n")[0], "command": " ".join(sys.argv),

@@ -14,6 +14,10 @@ from common import log, percentile, sse_chunks
 
 PARITY_PROMPTS, PARITY_TOKENS = 2, 32
 PAIRED_GAP_S = 2.0  # --paired: between two servers' cells (vLLM's engine core spins ~1 s after its last request)
+# a specpd server puts what start-up left on 4 KB pages onto huge pages while idle (specpd/machine.py); on a box whose
+# memory is fragmented that can be most of its weights and KV, and a b32 decode step on 4 KB pages ran ~4% slower
+# (Zen 4 EPYC): a server is measured once that is done, as a user's server that has been up a while
+HUGE_PAGES_WAIT_S = 300.0
 
 
 # -- client ------------------------------------------------------------------------------------------
@@ -119,6 +123,8 @@ def prepare(run: peers.Running, cells: list[tuple[str, int]], parity: list[list[
     for c in sorted({c for _, c in cells}):  # first-batch-shape costs out of the cells: c requests, 8 tokens
         warm, _ = run_cell(run.base, [parity[i % len(parity)] for i in range(c)], c, 8)
         entry.setdefault("warmup_errors", []).extend(r["error"] for r in warm if "error" in r)
+    if spec.engine == "specpd":
+        entry["huge_pages"] = settle_huge_pages(run)
     time.sleep(2.0)  # vLLM's engine core spins ~1 s after its last request: the settled cost is wanted
     entry["idle_cpu_share"] = peers.idle_cpu_share(run, 5.0)
     if spec.engine == "specpd":
@@ -127,6 +133,22 @@ def prepare(run: peers.Running, cells: list[tuple[str, int]], parity: list[list[
                                 **{k: v for k, v in info.items() if "default" in k or "thread" in k or "dtype" in k}}
     entry["cells"] = {}
     return entry
+
+
+def settle_huge_pages(run: peers.Running) -> dict:
+    """Wait (the server idle) until a specpd server's collapse onto huge pages after start-up has run, at most
+    HUGE_PAGES_WAIT_S; its /server_info huge_pages then, with the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        status = (peers.get_json(run.base + "/server_info") or {}).get("huge_pages") or {}
+        state = (status.get("collapse_after_start_up") or {}).get("state")
+        if state != "running" or time.perf_counter() - t0 > HUGE_PAGES_WAIT_S:
+            break
+        time.sleep(1.0)
+    status["waited_s"] = round(time.perf_counter() - t0, 1)
+    log(f"   {run.spec.name}: {status.get('on_huge_pages_mib')} of {status.get('resident_mib')} MiB on huge pages "
+        f"(collapse after start-up: {state}, waited {status['waited_s']} s)")
+    return status
 
 
 def measure_cell(run: peers.Running, entry: dict, workload: str, c: int, prompts: list[list[int]], args) -> dict:

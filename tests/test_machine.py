@@ -230,9 +230,13 @@ def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(
     assert thread is not None
     time.sleep(1.0)
     assert _huge_kb_at(tail) == before, "collapsed while the engine was busy"
+    state = machine.huge_pages_status()["collapse_after_start_up"]
+    assert state["state"] == "running" and state["collapsed_mib"] == 0 and state["left_mib"] >= 10, state
     busy[0] = False
     thread.join(60)
     assert machine.collapse_later_in_background() is None  # nothing left
+    state = machine.huge_pages_status()["collapse_after_start_up"]
+    assert state["state"] == "done" and state["collapsed_mib"] <= state["left_mib"], state
     after = _huge_kb_at(tail)
     if after == before:  # the kernel may have no free huge page to give right now: that, and nothing else
         import ctypes
@@ -240,4 +244,20 @@ def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(
         if _madvise(tail, HUGE_PAGE, MADV_COLLAPSE) != 0 and ctypes.get_errno() in (errno.EAGAIN, errno.ENOMEM):
             pytest.skip("no free huge page to collapse into now")
     assert after >= before + 5 * HUGE_PAGE // 1024, (before, after)  # the rest: 6 or 7 whole huge pages
+    assert state["collapsed_mib"] >= 5 * HUGE_PAGE >> 20, state
     assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+
+
+def test_the_collapse_after_start_up_reports_off_where_it_is_turned_off(monkeypatch):
+    """SPECPD_HUGE_PAGES_LATER=0 with memory left on 4 KB pages: no thread, state "off" with what was left; the
+    status reads this process's resident and huge-page MiB from Linux."""
+    import os
+    import specpd.machine as machine
+    monkeypatch.setenv("SPECPD_HUGE_PAGES_LATER", "0")
+    monkeypatch.setattr(machine, "_collapse", dict(machine._collapse))
+    monkeypatch.setattr(machine, "_later", [(0, 6 * HUGE_PAGE)])
+    assert machine.collapse_later_in_background() is None and machine._later == []
+    status = machine.huge_pages_status()
+    assert status["collapse_after_start_up"] == {"state": "off", "left_mib": 12, "collapsed_mib": 0}
+    if os.path.exists("/proc/self/smaps_rollup"):
+        assert status["resident_mib"] > 0 and 0 <= status["on_huge_pages_mib"] <= status["resident_mib"]

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specpd.core import InvalidRequest, RequestOutput, SamplingParams
 from specpd.disagg.bootstrap import BootstrapUnreachable  # stdlib only, like this module's other imports
 from specpd.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, error_body, max_prompt_chars
+from specpd.machine import huge_pages_status
 from specpd.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from specpd.server.metrics import ServerMetrics
 from specpd.server.protocol import ChatCompletionRequest, CompletionRequest, check_common, field_errors
@@ -315,6 +316,7 @@ class _Handlers:
                     "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens} if spec.enabled else None
         return {**stats, "role": self.role, "model": self.model_name, "max_model_len": self.engine.max_model_len,
                 "config": self.engine.config.to_dict(), "speculative": resolved, "pid": os.getpid(),
+                "huge_pages": huge_pages_status(),
                 "free_pages": stats.get("free_pages"), "total_pages": stats.get("total_pages"),
                 "engine_alive": self.async_engine.alive, "num_queued": self.async_engine.num_queued,
                 **({"pd_stages": self.engine.stages.summary()} if hasattr(self.engine, "stages") else {}),

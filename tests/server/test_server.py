@@ -239,6 +239,9 @@ def test_server_info(client, server):
     assert info["total_pages"] > 0 and 0 <= info["free_pages"] <= info["total_pages"]
     assert info["config"]["model"] == "default" and info["config"]["cache"]["kv_cache_memory_mb"] == 64
     assert info["max_model_len"] == MAX_MODEL_LEN
+    huge = info["huge_pages"]  # the suite's servers ask for none (SPECPD_HUGE_PAGES=0, tests/conftest.py)
+    assert huge["resident_mib"] > 100 and 0 <= huge["on_huge_pages_mib"] <= huge["resident_mib"]
+    assert huge["collapse_after_start_up"]["state"] in ("none", "off")
 
 
 def test_metrics(client):

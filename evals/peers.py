@@ -282,8 +282,10 @@ def vllm_tau(before: dict, after: dict) -> dict | None:
             "acceptance_rate": accepted / draft_tokens if draft_tokens else None}
 
 
-def specpd_counters(info: dict | None) -> tuple[float, float]:
-    """(committed tokens, verify rounds) since the server started, from its /server_info."""
+def specpd_counters(info: dict | None) -> tuple[float, float, int, int]:
+    """(committed tokens, verify rounds, request rounds the adaptive policy planned, of them at depth 0) since the
+    server started, from its /server_info."""
+    rounds = (int((info or {}).get("spec_rounds") or 0), int((info or {}).get("spec_rounds_off") or 0))
     if not info or not info.get("spec_verify_count"):
-        return 0.0, 0.0
-    return info["spec_accept_length"] * info["spec_verify_count"], float(info["spec_verify_count"])
+        return 0.0, 0.0, *rounds
+    return info["spec_accept_length"] * info["spec_verify_count"], float(info["spec_verify_count"]), *rounds

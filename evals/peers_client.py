@@ -99,9 +99,11 @@ def tau_of(run: peers.Running, rows: list[dict], before, after) -> dict:
         ok = [r for r in rows if r.get("spec_verify_count")]
         verify = sum(r["spec_verify_count"] for r in ok)
         committed = sum(r["spec_verify_count"] * r["spec_accept_length"] for r in ok)
-        d_verify = after[1] - before[1]
+        d_verify, d_rounds = after[1] - before[1], after[2] - before[2]
+        # the share of the cell's request rounds the adaptive policy ran at depth 0 (a plain step)
         return {"tau": committed / verify if verify else None, "verify_rounds": verify,
-                "tau_server_info": (after[0] - before[0]) / d_verify if d_verify else None}
+                "tau_server_info": (after[0] - before[0]) / d_verify if d_verify else None,
+                "depth0_share": (after[3] - before[3]) / d_rounds if d_rounds else None}
     got = peers.vllm_tau({"vllm:" + k: v for k, v in before.items()}, {"vllm:" + k: v for k, v in after.items()})
     return got or {"tau": None}
 
@@ -160,7 +162,8 @@ def measure_cell(run: peers.Running, entry: dict, workload: str, c: int, prompts
     entry["cells"][f"{workload}/c{c}"] = cell
     log(f"   {spec.name:24s} {workload:8s} c{c:<3d} TPOT p50 {fmt_ms(cell['tpot_p50_s'])} ms  TTFT p50 "
         f"{fmt_ms(cell['ttft_p50_s'])} ms  {cell['output_tok_s']:.1f} tok/s  tau {fmt(cell.get('tau'))}"
-        f"  errors {cell['num_errors']}")
+        f"  errors {cell['num_errors']}" + (f"  depth-0 rounds {cell['depth0_share']:.0%}"
+                                              if cell.get("depth0_share") is not None else ""))
     return cell
 
 

@@ -44,7 +44,7 @@ def summarize_cell(reps: list[dict]) -> dict:
     out = {"reps": len(reps), "num_errors": sum(r["num_errors"] for r in reps)}
     for key, values in (("tpot_p50_ms", ms("tpot_p50_s")), ("tpot_p99_ms", ms("tpot_p99_s")),
                         ("ttft_p50_ms", ms("ttft_p50_s")), ("output_tok_s", [r["output_tok_s"] for r in reps]),
-                        ("tau", [r.get("tau") for r in reps])):
+                        ("tau", [r.get("tau") for r in reps]), ("depth0_share", [r.get("depth0_share") for r in reps])):
         out[key], out[key + "_spread"] = _median(values), _spread(values)
     return out
 

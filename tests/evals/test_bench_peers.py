@@ -35,8 +35,11 @@ def test_vllm_tau_is_one_plus_accepted_per_draft_over_the_cell():
 
 
 def test_specpd_counters_from_server_info():
-    assert peers.specpd_counters({"spec_accept_length": 2.5, "spec_verify_count": 10}) == (25.0, 10.0)
-    assert peers.specpd_counters({"spec_accept_length": None, "spec_verify_count": 0}) == (0.0, 0.0)
+    assert peers.specpd_counters({"spec_accept_length": 2.5, "spec_verify_count": 10}) == (25.0, 10.0, 0, 0)
+    assert peers.specpd_counters({"spec_accept_length": None, "spec_verify_count": 0}) == (0.0, 0.0, 0, 0)
+    info = {"spec_accept_length": 2.0, "spec_verify_count": 6, "spec_rounds": 10, "spec_rounds_off": 4}
+    assert peers.specpd_counters(info) == (12.0, 6.0, 10, 4)
+    assert peers.specpd_counters(None) == (0.0, 0.0, 0, 0)
 
 
 def test_matching_prefix_and_parity_report():
@@ -91,3 +94,13 @@ def test_pairs_compare_each_server_with_specpd_plain_rep_by_rep():
     assert cell["tok_s_ratios"] == [1.1, 0.75]  # rep 1 of plain failed: that rep pairs nothing
     assert cell["tok_s_ratio_spread"] == [0.75, 1.1] and abs(cell["tok_s_ratio"] - 0.925) < 1e-9
     assert cell["tpot_speedup_spread"] == [0.5, 2.0]
+
+
+def test_a_specpd_cells_tau_and_depth0_share_come_from_the_counters_around_it():
+    import types
+    import peers_client
+    run = types.SimpleNamespace(spec=types.SimpleNamespace(engine="specpd"))
+    rows = [{"spec_verify_count": 4, "spec_accept_length": 2.5}, {"spec_verify_count": 0}, {"error": "x"}]
+    got = peers_client.tau_of(run, rows, (10.0, 5.0, 20, 8), (20.0, 9.0, 30, 14))
+    assert got == {"tau": 2.5, "verify_rounds": 4, "tau_server_info": 2.5, "depth0_share": 0.6}
+    assert peers_client.tau_of(run, [], (0.0, 0.0, 5, 5), (0.0, 0.0, 5, 5))["depth0_share"] is None

@@ -55,7 +55,8 @@ SINGLE_LIFECYCLE = ("one server at a time, started afresh for every rep and stop
                     "once settled, ~0.33 for the ~1 s after a request), but 14 servers at once (vLLM: 2 GiB KV each) "
                     "would not fit in memory, and a fresh start every rep measures start-up each time")
 PAIRED_LIFECYCLE = ("--paired: a dtype's servers up at once for a rep (started one after another, stopped together), "
-                    "each cell run on every one of them back to back in an order rotated cell by cell and rep by rep, "
+                    "each cell run on every one of them back to back in an order rotated cell by cell and rep by rep "
+                    "(at concurrency 1 request by request: each prompt on every server in turn), "
                     f"{PAIRED_GAP_S:.0f} s apart; every specpd server measured once its collapse onto huge pages after "
                     "start-up has run (peers_client.settle_huge_pages: it runs while a server is idle, which would "
                     "be while the others are measured)")

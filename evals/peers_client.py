@@ -14,6 +14,7 @@ from common import log, percentile, sse_chunks
 
 PARITY_PROMPTS, PARITY_TOKENS = 2, 32
 PAIRED_GAP_S = 2.0  # --paired: between two servers' cells (vLLM's engine core spins ~1 s after its last request)
+INTERLEAVED_GAP_S = 0.2  # --paired c1, specpd servers only: between two servers' requests (an idle one costs nothing)
 # a specpd server puts what start-up left on 4 KB pages onto huge pages while idle (specpd/machine.py); on a box whose
 # memory is fragmented that can be most of its weights and KV, and a b32 decode step on 4 KB pages ran ~4% slower
 # (Zen 4 EPYC): a server is measured once that is done, as a user's server that has been up a while
@@ -154,9 +155,35 @@ def settle_huge_pages(run: peers.Running) -> dict:
 
 
 def measure_cell(run: peers.Running, entry: dict, workload: str, c: int, prompts: list[list[int]], args) -> dict:
-    spec = run.spec
     before = tau_probe(run)
     rows, wall = run_cell(run.base, prompts, c, args.max_tokens)
+    return record_cell(run, entry, workload, c, rows, wall, before)
+
+
+def measure_interleaved(runs: list[peers.Running], entries: dict[str, dict], workload: str,
+                        prompts: list[list[int]], args, gap_s: float) -> None:
+    """--paired, concurrency 1: the cell's prompts one at a time, each run on every server in turn (the order
+    rotated prompt by prompt), so a prompt's servers are a second or two apart, not a whole cell (~8 s at 96 tokens)
+    as with measure_cell one server after another: on a box whose speed drifts 10-50% over seconds (this one's
+    plain c1 TPOT read 9.7 to 15.3 ms cell to cell in one run) that drift fell on one server's cell alone."""
+    before = {run.spec.name: tau_probe(run) for run in runs}
+    rows: dict[str, list[dict]] = {run.spec.name: [] for run in runs}
+    wall = dict.fromkeys(rows, 0.0)
+    for j, prompt in enumerate(prompts):
+        k = j % len(runs)
+        for run in runs[k:] + runs[:k]:
+            got, seconds = run_cell(run.base, [prompt], 1, args.max_tokens)
+            rows[run.spec.name] += got
+            wall[run.spec.name] += seconds
+            time.sleep(gap_s)
+    for run in runs:
+        name = run.spec.name
+        record_cell(run, entries[name], workload, 1, rows[name], wall[name], before[name])
+
+
+def record_cell(run: peers.Running, entry: dict, workload: str, c: int, rows: list[dict], wall: float,
+                before) -> dict:
+    spec = run.spec
     cell = summarize_rows(rows, wall)
     cell.update(tau_of(run, rows, before, tau_probe(run)))
     entry["cells"][f"{workload}/c{c}"] = cell
@@ -177,7 +204,8 @@ def paired_rep(specs: list[peers.ServerSpec], cells: list[tuple[str, int]], plan
                parity: list[list[int]], args) -> dict[str, dict]:
     """--paired: one rep of every server in `specs` up at once, each cell run on every server back to back (the
     order rotated cell by cell and rep by rep), so a cell's servers are minutes closer than one server's whole rep
-    apart and the box's drift falls on them alike. Returns each server's entry, as serve_and_measure's."""
+    apart and the box's drift falls on them alike; at concurrency 1 request by request (measure_interleaved).
+    Returns each server's entry, as serve_and_measure's."""
     entries: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
         runs = []
@@ -186,9 +214,16 @@ def paired_rep(specs: list[peers.ServerSpec], cells: list[tuple[str, int]], plan
             runs.append(stack.enter_context(peers.serve(spec)))
         for run in runs:
             entries[run.spec.name] = prepare(run, cells, parity)
+        # between two servers' requests at c1: a vLLM or llama.cpp server beside may spin after its last one
+        gap = INTERLEAVED_GAP_S if all(run.spec.engine == "specpd" for run in runs) else PAIRED_GAP_S
         for i, (workload, c) in enumerate(cells):
             shift = (rep + i) % len(runs)
-            for run in runs[shift:] + runs[:shift]:
+            order = runs[shift:] + runs[:shift]
+            if c == 1:
+                measure_interleaved(order, entries, workload, plan[(workload, c, rep)], args, gap)
+                time.sleep(PAIRED_GAP_S)
+                continue
+            for run in order:
                 measure_cell(run, entries[run.spec.name], workload, c, plan[(workload, c, rep)], args)
                 time.sleep(PAIRED_GAP_S)
         for run in runs:

@@ -104,3 +104,27 @@ def test_a_specpd_cells_tau_and_depth0_share_come_from_the_counters_around_it():
     got = peers_client.tau_of(run, rows, (10.0, 5.0, 20, 8), (20.0, 9.0, 30, 14))
     assert got == {"tau": 2.5, "verify_rounds": 4, "tau_server_info": 2.5, "depth0_share": 0.6}
     assert peers_client.tau_of(run, [], (0.0, 0.0, 5, 5), (0.0, 0.0, 5, 5))["depth0_share"] is None
+
+
+def test_paired_c1_runs_each_prompt_on_every_server_in_turn_the_order_rotated(monkeypatch):
+    import types
+    import peers_client
+    calls = []
+
+    def fake_cell(base, prompts, concurrency, max_tokens):
+        calls.append((base, prompts[0][0]))
+        return [{"ttft_s": 0.01, "tpot_s": 0.001 * len(base), "tokens": max_tokens, "chunks": max_tokens}], 0.5
+
+    monkeypatch.setattr(peers_client, "run_cell", fake_cell)
+    monkeypatch.setattr(peers_client, "tau_probe", lambda run: (0.0, 0.0, 0, 0))
+    monkeypatch.setattr(peers_client.time, "sleep", lambda s: None)
+    runs = [types.SimpleNamespace(spec=types.SimpleNamespace(name=n, engine="specpd"), base=b)
+            for n, b in (("plain", "a"), ("spec", "bb"))]
+    entries = {"plain": {"cells": {}}, "spec": {"cells": {}}}
+    args = types.SimpleNamespace(max_tokens=8)
+    peers_client.measure_interleaved(runs, entries, "chat", [[1], [2], [3]], args, gap_s=0.0)
+    assert calls == [("a", 1), ("bb", 1), ("bb", 2), ("a", 2), ("a", 3), ("bb", 3)]
+    for name, tpot in (("plain", 1.0), ("spec", 2.0)):
+        cell = entries[name]["cells"]["chat/c1"]
+        assert cell["requests"] == 3 and cell["wall_s"] == 1.5 and cell["output_tok_s"] == 24 / 1.5
+        assert abs(cell["tpot_p50_s"] * 1e3 - tpot) < 1e-9

@@ -59,10 +59,14 @@ def peers_spec(d: dict) -> str:
                        else spec[key][field] / plain[key][field], 2, "×")
         rows.append([key, _f(plain[key][field], 1) + _spread(plain[key][field + "_spread"], 1),
                      _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), ratio,
-                     _f(spec[key]["tau"])])
+                     _f(spec[key]["tau"]), _percent(spec[key].get("depth0_share"))])
     return _table(["cell", "plain (TPOT ms at c1, tok/s above)", "eagle3 defaults",
-                   "eagle3 over plain (median of the reps' pairs where paired)", "τ"],
+                   "eagle3 over plain (median of the reps' pairs where paired)", "τ", "rounds at depth 0"],
                   rows)
+
+
+def _percent(x) -> str:
+    return "–" if x is None else f"{x:.0%}"
 
 
 def hf_generate(d: dict) -> str:

@@ -285,7 +285,8 @@ def vllm_tau(before: dict, after: dict) -> dict | None:
 def specpd_counters(info: dict | None) -> tuple[float, float, int, int]:
     """(committed tokens, verify rounds, request rounds the adaptive policy planned, of them at depth 0) since the
     server started, from its /server_info."""
-    rounds = (int((info or {}).get("spec_rounds") or 0), int((info or {}).get("spec_rounds_off") or 0))
-    if not info or not info.get("spec_verify_count"):
+    info = info or {}
+    rounds = (int(info.get("spec_rounds") or 0), int(info.get("spec_rounds_off") or 0))
+    if not info.get("spec_verify_count"):
         return 0.0, 0.0, *rounds
     return info["spec_accept_length"] * info["spec_verify_count"], float(info["spec_verify_count"]), *rounds

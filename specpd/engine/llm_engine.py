@@ -125,7 +125,8 @@ class LLMEngine(HandoffHooks):
                 "spec_rounds_off_share": st.rounds_off / st.rounds if st.rounds else None,
                 "spec_rounds_narrow": st.rounds_narrow, "spec_probes": st.probes, "spec_draft_tokens_hist": hist,
                 "spec_policy": {"cost_scale": policy.cost.scale, "draft_scale": policy.cost.draft_scale,
-                                "accept": list(policy.global_accept), "top_path_share": policy.top_path_share(),
+                                "accept": list(policy.global_accept), "prior": policy.prior_rates(),
+                                "top_path_share": policy.top_path_share(),
                                 "cost_model": policy.cost.as_dict()}}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -1,9 +1,10 @@
 """Adaptive speculation's acceptance estimates (spec_policy.py, steps 2 and 3's narrow shape), per request.
 
   2. Per request, conditional acceptance a_d with exponential forgetting; depth 1 is shrunk towards
-     the engine-wide rate (the prior a new request starts from), a deeper depth towards the request's
-     own rate one level up (scaled by the engine-wide trend between the levels; a level the engine has never
-     tried has no trend of its own and follows the level above, `effective_global`).
+     the per-request average (the prior a new request starts from: each finished request's whole-life rate,
+     weighted by how many outcomes it saw), a deeper depth towards the request's own rate one level up (scaled
+     by the same average's trend between the levels; a level no finished request tried follows the level above,
+     `prior_rates`).
   3. (the narrow shape) A narrow round's acceptance is read off every verify's accepted path (the leading
      nodes that were their parent's top-ranked child); its prior is the request's full-width rate times
      the top path's share of it, learned engine-wide from the same full-width rounds (paired: an
@@ -20,11 +21,21 @@ PRIOR_TOP_PATH = 0.75  # the top path's share of a full tree's conditional accep
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the engine-wide rate in each request's estimate
 DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance drifts with the text)
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
-# a new request's depth-1 prior is the lower of that rate and the per-request average (each finished request's
-# whole-life rate, EMA at this step per request): the per-observation rate holds the last request's last rounds
-# (0.92 after a c1 cell whose verifies accepted 0.61 at depth 1), and 8 new requests started from it bet depth
-# 4-5 at batch 8, where such a round costs three plain ones (issue 32)
+# a new request's prior is the per-request average (each finished request's whole-life conditional rate per depth,
+# EMA at this step per request, a request with fewer than REQUEST_EVIDENCE outcomes at a depth moving it that much
+# less), not the per-observation rate: that holds the last request's last rounds. It read 0.92 after a c1 cell whose
+# verifies accepted 0.61 at depth 1 (8 new requests started from it bet depth 4-5 at batch 8, where such a round
+# costs three plain ones), and at chat c1 it swung 0.3-0.95 at depth 1 and 0.2-0.95 at depth 2 request to request
+# while the per-request average held 0.60-0.76: as the lower of the two it started requests at 0.32 / 0.20, one
+# miss then put them at depth 0, and a fixed-depth server committed 2.15 tokens a round over the rounds the
+# adaptive one spent there (issue 32)
 REQUEST_RATE = 0.2
+REQUEST_EVIDENCE = 16
+# the other running requests' outcomes so far count with it, the average weighing as this many outcomes: a batch of
+# requests whose draft is useless learns it from each other's misses within a few rounds (alone, each one's own
+# misses against the prior's weight kept it at ~0.2, where a cheap verify row still paid). A lone request has no
+# others: its prior is the finished requests' average
+PRIOR_POOL = 8.0
 PROBE_MIN, PROBE_MAX = 8, 128
 # a shadow probe's interval stops doubling here: it costs no verify row (its catch-up draws on the probe budget),
 # and it is the only way back to speculating once the engine-wide rate fell (a c1 server whose first
@@ -45,7 +56,8 @@ class RequestStats:
     # every verify: a round at full width counts the leading accepted nodes that were their parent's top child
     chain_accepted: list[float] = field(default_factory=list)
     chain_attempted: list[float] = field(default_factory=list)
-    lifetime: list[float] = field(default_factory=lambda: [0.0, 0.0])  # depth-1 [accepted, attempted], undecayed
+    lifetime_accepted: list[float] = field(default_factory=list)  # [S] as accepted / attempted, undecayed
+    lifetime_attempted: list[float] = field(default_factory=list)  # (full-width rounds and shadow probes)
     idle_rounds: int = 0  # consecutive rounds at depth 0
     idle_since_decay: int = 0  # rounds at depth 0 since its statistics last decayed for it (IDLE_DECAY)
     probe_every: int = PROBE_MIN
@@ -64,7 +76,11 @@ class AcceptanceEstimates:
         # a trend of 0.5 / 0.95 past the deepest level tried, so no request went deeper: the adaptive policy
         # stayed at depth 3 with 2.7 tokens a verify where a fixed 5-chain commits 4.9 (issue 32)
         self.global_seen = [0] * num_steps
-        self.request_accept = PRIOR_ACCEPT  # depth 1, averaged per finished request (REQUEST_RATE)
+        # per depth, averaged over finished requests (REQUEST_RATE): the prior a new request starts from
+        self.request_rates = [PRIOR_ACCEPT] * num_steps
+        self.request_seen = [0] * num_steps  # finished requests that reached each depth
+        self.live_accepted = [0.0] * num_steps  # the running requests' lifetime counts, summed (PRIOR_POOL)
+        self.live_attempted = [0.0] * num_steps
         # the narrow shape's prior: how often the top path reaches depth d + 1 when the full tree does, read off
         # the same full-width rounds (paired, so which requests speculate biases neither side); a request's narrow
         # estimate starts from its own full-width estimate scaled by it (the engine-wide narrow rate would be
@@ -81,13 +97,12 @@ class AcceptanceEstimates:
         st = self._stats.get(request_id)
         if st is None:
             z = [0.0] * self.num_steps
-            st = self._stats[request_id] = RequestStats(list(z), list(z), list(z), list(z))
+            st = self._stats[request_id] = RequestStats(list(z), list(z), list(z), list(z), list(z), list(z))
         return st
 
     def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
-        """Conditional acceptance per depth. Depth 1's prior is the engine-wide rate (the lower of the
-        per-observation and the per-request one, REQUEST_RATE); a deeper depth's is
-        this request's rate one level up, scaled by the engine-wide trend between the two levels, so a
+        """Conditional acceptance per depth. Depth 1's prior is the per-request average (`prior_rates`); a deeper
+        depth's is this request's rate one level up, scaled by that average's trend between the two levels, so a
         request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
         tried yet, and one that fails early is not. narrow: the top path's, whose prior at depth 1 is the
         request's full-width rate times the top path's share of it (`top_path_share`), and deeper the request's
@@ -106,8 +121,8 @@ class AcceptanceEstimates:
                 prior = base[0] if d == 0 else min(1.0, rates[-1] * base[d] / max(base[d - 1], 1e-3))
                 rates.append((acc + PRIOR_WEIGHT * prior) / (att + PRIOR_WEIGHT))
             return rates
-        g = self.effective_global()
-        rates, prior = [], min(g[0], self.request_accept)
+        g = self.prior_rates(st)
+        rates, prior = [], g[0]
         for d, (acc, att) in enumerate(zip(st.accepted, st.attempted)):
             if d > 0:
                 prior = min(1.0, rates[-1] * g[d] / max(g[d - 1], 1e-3))
@@ -118,6 +133,28 @@ class AcceptanceEstimates:
         """The engine-wide conditional acceptance per level, a level never observed taking the one above's."""
         out = []
         for d, (rate, seen) in enumerate(zip(self.global_accept, self.global_seen)):
+            out.append(rate if seen or d == 0 else out[-1])
+        return out
+
+    def prior_rates(self, own: RequestStats | None = None) -> list[float]:
+        """Per level, the per-request average conditional acceptance (REQUEST_RATE; a level no finished request
+        reached taking the one above's) with the other running requests' outcomes so far (PRIOR_POOL; not frozen):
+        the prior of the request whose statistics are `own` (None: a new request's)."""
+        out = []
+        for d, (rate, seen) in enumerate(zip(self.request_rates, self.request_seen)):
+            base = rate if seen or d == 0 else out[-1]
+            if not self.frozen:
+                acc, att = self.live_accepted[d], self.live_attempted[d]
+                if own is not None:
+                    acc, att = acc - own.lifetime_accepted[d], att - own.lifetime_attempted[d]
+                base = (base * PRIOR_POOL + max(acc, 0.0)) / (PRIOR_POOL + max(att, 0.0))
+            out.append(base)
+        return out
+
+    def _finished_rates(self) -> list[float]:
+        """The per-request average alone, a level no finished request reached taking the one above's."""
+        out = []
+        for d, (rate, seen) in enumerate(zip(self.request_rates, self.request_seen)):
             out.append(rate if seen or d == 0 else out[-1])
         return out
 
@@ -160,8 +197,12 @@ class AcceptanceEstimates:
             self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, num_accepted)
             return
         self._count(st.accepted, st.attempted, self.global_accept, proposed_depth, num_accepted)
-        st.lifetime[0] += float(num_accepted > 0)
-        st.lifetime[1] += 1.0
+        for d in range(min(num_accepted + 1, proposed_depth)):
+            hit = float(d < num_accepted)
+            st.lifetime_attempted[d] += 1.0
+            st.lifetime_accepted[d] += hit
+            self.live_attempted[d] += 1.0
+            self.live_accepted[d] += hit
         if top_path is not None and self.narrow_ok:
             self._count(st.chain_accepted, st.chain_attempted, None, proposed_depth, top_path)
             if not self.frozen and not shadow:  # a shadow probe tested its top-1 only: not a pair
@@ -185,10 +226,25 @@ class AcceptanceEstimates:
         self._observed += 1
 
     def forget(self, request_id: str) -> None:
-        """A request is gone: its whole-life depth-1 rate moves the per-request average (a new request's prior)."""
+        """A request is gone: its whole-life rate at each depth it reached moves the per-request average (a new
+        request's prior), by as much as the outcomes it saw there warrant (REQUEST_EVIDENCE)."""
         st = self._stats.pop(request_id, None)
-        if st is not None and st.lifetime[1] > 0 and not self.frozen:
-            self.request_accept += REQUEST_RATE * (st.lifetime[0] / st.lifetime[1] - self.request_accept)
+        if st is None:
+            return
+        for d, (acc, att) in enumerate(zip(st.lifetime_accepted, st.lifetime_attempted)):
+            self.live_accepted[d] = max(0.0, self.live_accepted[d] - acc)
+            self.live_attempted[d] = max(0.0, self.live_attempted[d] - att)
+        if self.frozen:
+            return
+        above = self._finished_rates()
+        for d, (acc, att) in enumerate(zip(st.lifetime_accepted, st.lifetime_attempted)):
+            if att <= 0:
+                continue
+            if not self.request_seen[d]:  # its first reading: it starts from the level above
+                self.request_rates[d] = above[d]
+            self.request_seen[d] += 1
+            step = REQUEST_RATE * min(1.0, att / REQUEST_EVIDENCE)
+            self.request_rates[d] += step * (acc / att - self.request_rates[d])
 
     def _count(self, accepted: list[float], attempted: list[float], engine_wide: list[float] | None, depth: int,
                num_accepted: int) -> None:

@@ -8,8 +8,9 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
   1. `CostModel` (spec_cost.py): seconds of one target forward by (requests, rows) and of one draft
      forward by rows, measured at startup (spec_calibration.calibrate); online, every decode round's
      timing scales the table (`CostModel.scale`), so a verify row keeps its measured share of a round.
-  2. Per request, conditional acceptance a_d with exponential forgetting, shrunk towards engine-wide rates
-     (`AcceptanceEstimates`, spec_accept.py).
+  2. Per request, conditional acceptance a_d with exponential forgetting, shrunk towards a prior: the average
+     over finished requests, pooled with the other running requests' outcomes (`AcceptanceEstimates`,
+     spec_accept.py).
   3. `plan` picks each request's depth by marginal value: with lam the batch's current tokens per
      second, a request takes the depth maximising E(k) - lam * (marginal seconds of k), iterated a few
      times; the plan is kept only if it beats everyone at depth 0. Each depth comes in two widths: the

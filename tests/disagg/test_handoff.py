@@ -187,11 +187,14 @@ def record_plans(engine, cost) -> list:
 @pytest.mark.parametrize("mode", ["both", "decode-only"])
 def test_a_committed_handoff_plans_the_unified_engines_rounds_with_the_policy_as_served(spec_model_dir, tmp_path,
                                                                                           mode):
-    """The adaptive policy NOT pinned (engine-wide learning, probes on their budget, the free probe of a draft
-    in step), requests one at a time as a client sends them, one cost table for both sides: D plans every round
-    of every request exactly as the unified engine does. A committed handoff starts with the draft state (both:
-    P's, decode-only: D's own extend) and the policy state the unified engine's request has after its prefill:
-    nothing deferred, its first-round top-k (issue 31 asked whether it did; this is the check)."""
+    """The adaptive policy NOT pinned (engine-wide learning), requests one at a time as a client sends them, one
+    cost table for both sides: D plans every round of every request exactly as the unified engine does. A
+    committed handoff starts with the draft state (both: P's, decode-only: D's own extend) and the policy state the
+    unified engine's request has after its prefill: nothing deferred, its first-round top-k (issue 31 asked whether
+    it did; this is the check). Here every request speculates from its first round (the prior is the per-request
+    average, ~0.4 for this draft). One that starts at depth 0 does not probe alike: D's draft is in step after a
+    draft-on-both handoff (a free probe in its first round), the unified engine's prompt extend is deferred (its
+    probe waits for its interval); outputs are the same either way."""
     from specpd.draft.loader import random_draft_checkpoint
     from specpd.engine.spec_cost import CostModel
     random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
@@ -216,7 +219,6 @@ def test_a_committed_handoff_plans_the_unified_engines_rounds_with_the_policy_as
                [(o.spec_verify_count, o.spec_accepted_tokens) for o in want]
         assert d.engine.spec_runner.policy.global_accept == unified.spec_runner.policy.global_accept
         assert any(steps for r in want_rounds for steps, _ in r)  # it speculated
-        assert any(probed for r in want_rounds for _, probed in r)  # and probed
         assert p.free_pages == 64 and d.free_pages == 64
     finally:
         p.close()

@@ -1,23 +1,69 @@
 """Acceptance estimates (spec_accept.py): the prior a new request starts from."""
+import pytest
+
 from specpd.engine.spec_accept import AcceptanceEstimates
 
 
 def test_a_new_requests_prior_is_the_per_request_average_not_the_last_requests_tail():
-    """Requests accepting half their depth-1 proposals, then one whose last rounds all accept (a reply that
-    repeats itself): the per-observation rate ends near 1, a new request starts from the per-request average
-    (~0.5). A useless draft's misses bring the per-observation rate down at once, and new requests with it."""
+    """Requests accepting half their depth-1 proposals, then one reply whose last rounds all accept (it repeats
+    itself), then one whose last rounds all miss, one at a time (c1): the per-observation rate follows each
+    tail (near 1, then near 0), a new request starts from the per-request average (~0.5) either way. At chat c1
+    that rate swung 0.3-0.95 request to request, and a request started from its low swings went to depth 0 on its
+    first miss."""
     est = AcceptanceEstimates(3, 1, 4)
     for r in range(10):
         for i in range(20):
             est.observe(f"r{r}", 1, i % 2)
         est.forget(f"r{r}")
-    for _ in range(20):
-        est.observe("tail", 1, 1)
+    for i in range(40):
+        est.observe("tail", 1, int(i >= 20))
+    est.forget("tail")
     assert est.global_accept[0] > 0.85
-    assert est.accept_rates("new")[0] == est.request_accept < 0.6  # (no rounds of its own: its prior alone)
-    for _ in range(20):
-        est.observe("tail", 1, 0)
-    assert est.accept_rates("newer")[0] == est.global_accept[0] < 0.15
+    assert est.accept_rates("new")[0] == est.request_rates[0] and 0.45 < est.request_rates[0] < 0.55
+    for i in range(40):
+        est.observe("tail2", 1, int(i < 20))
+    est.forget("tail2")
+    assert est.global_accept[0] < 0.15
+    assert 0.45 < est.accept_rates("newer")[0] < 0.55
+
+
+def test_the_per_request_average_moves_with_the_evidence_a_request_brings():
+    """Per depth, each finished request's whole-life rate; one that saw a single outcome (a request that sat at
+    depth 0 and probed once) moves it a sixteenth of what one with 16 outcomes does. Requests whose drafts are
+    useless bring it down within a few, and new requests with it; a depth no request reached follows the one
+    above."""
+    est = AcceptanceEstimates(3, 1, 4)
+    est.observe("once", 1, 0)
+    est.forget("once")
+    assert est.request_rates[0] == pytest.approx(0.5 - 0.2 * 0.5 / 16)
+    for r in range(8):
+        for _ in range(16):
+            est.observe(f"useless{r}", 2, 0)
+        est.forget(f"useless{r}")
+    assert est.accept_rates("new")[0] < 0.1
+    assert est.request_seen[1:] == [0, 0] and est.prior_rates()[1:] == [est.request_rates[0]] * 2
+    for _ in range(16):
+        est.observe("deep", 3, 1)  # depth 1 accepted, depth 2 refused, depth 3 never reached
+    est.forget("deep")
+    assert est.request_seen == [10, 1, 0] and est.prior_rates()[2] == est.request_rates[1] < est.request_rates[0]
+    assert est.live_attempted == [0.0] * 3  # nothing running: the average alone
+
+
+def test_running_requests_pool_their_outcomes_into_the_prior():
+    """A batch of 8 requests whose draft turns out useless, none finished yet: the prior (a new request's, and the
+    one each of them is shrunk towards) falls with their misses, where each one's own misses alone left its
+    estimate at ~0.2 against a prior of 0.5. Frozen: the prior does not move."""
+    for frozen in (False, True):
+        est = AcceptanceEstimates(3, 1, 4, frozen=frozen)
+        for _ in range(8):
+            for r in range(8):
+                est.observe(f"r{r}", 2, 0)
+        if frozen:
+            assert est.prior_rates() == [0.5] * 3
+            continue
+        assert est.prior_rates()[0] < 0.2 and est.accept_rates("r0")[0] < 0.15
+        est.forget("r0")
+        assert est.live_attempted[0] == 56.0
 
 
 def test_frozen_estimates_learn_nothing_engine_wide():
@@ -25,7 +71,7 @@ def test_frozen_estimates_learn_nothing_engine_wide():
     for _ in range(20):
         est.observe("old", 3, 3)
     est.forget("old")
-    assert est.global_accept == [0.5] * 3 and est.request_accept == 0.5
+    assert est.global_accept == [0.5] * 3 and est.request_rates == [0.5] * 3
 
 
 def test_a_level_never_tried_follows_the_level_above():
@@ -66,7 +112,7 @@ def test_a_request_at_depth_zero_drifts_back_to_the_engine_wide_rate():
         est = AcceptanceEstimates(2, 1, 3, frozen=frozen)
         for _ in range(8):
             est.observe("r", 1, 0)
-        est.global_accept, est.request_accept = [0.6, 0.6], 0.6  # (the engine's other requests)
+        est.request_rates = [0.6, 0.6]  # (the engine's other requests)
         low = est.accept_rates("r")[0]
         assert low < 0.3
         st, seen = est._get("r"), est._observed

@@ -275,7 +275,7 @@ def test_observe_updates_conditional_rates():
 
 def test_a_request_that_keeps_accepting_is_expected_to_keep_accepting_deeper():
     policy = AdaptivePolicy(6, 1, 7, memory_bound(), frozen=True)
-    policy.global_accept = [0.2] * 6  # the engine has seen a weak draft
+    policy.request_rates = [0.2] * 6  # the engine has seen a weak draft
     for _ in range(6):
         policy.observe("copy", 2, 2)  # a copied span: everything it tried was accepted
     rates = policy.accept_rates("copy")
@@ -369,7 +369,7 @@ def test_a_request_at_depth_zero_keeps_probing_while_its_catch_up_grows():
         for d in range(3):  # the request's draft looks useless so far, and the engine's: it stays at depth 0
             st = policy._get("a")
             st.attempted[d], st.accepted[d] = 20.0, 0.0
-        policy.global_accept, policy.request_accept = [0.0] * 3, 0.0
+        policy.request_rates = [0.0] * 3
         pending, probes = 1, 0
         for _ in range(600):
             assert policy.plan(["a"], pending=[pending]) == [(0, 1)]

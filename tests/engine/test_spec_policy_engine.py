@@ -215,8 +215,7 @@ def test_an_ngram_request_at_depth_0_shadow_probes_every_round_and_comes_back(ti
     policy = eng.spec_runner.policy
     policy.frozen = False  # but the engine-wide learning and the probe budget of a served policy
     assert policy.shadow
-    policy.global_accept = [0.02] * policy.num_steps
-    policy.request_accept = 0.02
+    policy.request_rates = [0.02] * policy.num_steps
     policy.cost._spec_scales[1] = 4.0  # a lone request's speculation read 4x its price (the box was busy)
     out = eng.generate([prompt], params)[0]
     assert out.token_ids == plain

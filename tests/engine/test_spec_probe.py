@@ -91,7 +91,7 @@ def test_a_lone_request_that_began_at_depth_0_probes_within_its_reply():
     for extend in (True, False):
         policy = AdaptivePolicy(4, 4, 5, epyc_like(extend), shadow=True)
         policy.cost.draft_scale = 2.6
-        policy.global_accept = [0.1] * 4
+        policy.request_rates = [0.1] * 4
         for n in range(96):
             plan = policy.plan(["a"], pending=[n], unpriced=[150])
             assert plan == [(0, 1)]

@@ -54,7 +54,8 @@ def test_metrics_and_server_info_export_acceptance(server):
     assert "specpd:spec_rounds_off_total" in metrics and "specpd:spec_rounds_narrow_total" in metrics
     info = client.get("/server_info").json()
     assert 0 <= info["spec_rounds_narrow"] <= info["spec_rounds"] - info["spec_rounds_off"]
-    assert set(info["spec_policy"]) == {"cost_scale", "draft_scale", "accept", "top_path_share", "cost_model"}
+    assert set(info["spec_policy"]) == {"cost_scale", "draft_scale", "accept", "prior", "top_path_share", "cost_model"}
+    assert len(info["spec_policy"]["prior"]) == len(info["spec_policy"]["accept"])
     assert info["spec_policy"]["cost_model"]["target_rows"] and info["spec_probes"] >= 0
     assert info["spec_verify_count"] >= 1
     assert info["spec_rounds"] >= info["spec_verify_count"] and sum(info["spec_draft_tokens_hist"]) == info["spec_rounds"]

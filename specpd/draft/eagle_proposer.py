@@ -140,21 +140,21 @@ class EagleProposer(Proposer):
         for i in active:
             state: DraftState = requests[i].spec_state
             b = TreeBuilder(requests[i].all_token_ids[-1], k, plans[i][0], plans[i][1])
-            topk_ids, topk_probs = torch.tensor([state.topk_ids]), torch.tensor([state.topk_probs])
+            topk_ids, topk_probs = [state.topk_ids], torch.tensor([state.topk_probs])
             if requests[i].grammar is not None:  # the extend's top-k was unmasked: redo it from its hidden
                 bias = self._grammar_bias(requests, None, [i], {i: [0]})
                 topk_ids, topk_probs = (t.cpu() for t in self._topk(state.hidden.unsqueeze(0), 0, bias))
-            new = b.expand(topk_ids, topk_probs)
+            new = b.expand_ids(topk_ids, topk_probs)
             builders[i] = b
-            pred_hidden[i] = {int(n): state.hidden for n in new}  # node -> draft hidden that predicted it
+            pred_hidden[i] = dict.fromkeys(new, state.hidden)  # node -> draft hidden that predicted it
             slots[i] = {}  # node -> scratch slot offset from the root's position
         for s in range(1, max((plans[i][0] for i in active), default=0)):
             level = [i for i in active if plans[i][0] > s]
-            frontiers = {i: builders[i].frontier().tolist() for i in level}
+            frontiers = {i: builders[i].frontier_ids() for i in level}
             ids, positions, q_lens, kv_lens, masks, hidden = [], [], [], [], [], []
             for i in level:
                 b, fr, start, ph, slot_of = builders[i], frontiers[i], starts[i], pred_hidden[i], slots[i]
-                ids.extend(int(b.tokens[n]) for n in fr)
+                ids.extend(b.token_ids[n] for n in fr)
                 positions.extend([start + s - 1] * len(fr))
                 hidden.extend(ph[n] for n in fr)
                 q_lens.append(len(fr))
@@ -172,9 +172,9 @@ class EagleProposer(Proposer):
             row = 0
             for i in level:
                 fr, ph = frontiers[i], pred_hidden[i]
-                new = builders[i].expand(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)]).view(len(fr), k)
+                new = builders[i].expand_ids(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)])
                 for j in range(len(fr)):
-                    for child in new[j].tolist():
+                    for child in new[j * k:(j + 1) * k]:
                         ph[child] = out[row + j]
                 row += len(fr)
         for i in active:
@@ -187,7 +187,7 @@ class EagleProposer(Proposer):
         """[F, width] bool over this round's scratch slots: each frontier node sees the slots of its
         ancestors drafted at earlier steps, and its own."""
         mask = torch.zeros(len(frontier), width, dtype=torch.bool)
-        parents = builder.parents.tolist()
+        parents = builder.parent_ids
         for f, node in enumerate(frontier):
             n = node
             while n > 0:
@@ -199,7 +199,7 @@ class EagleProposer(Proposer):
 
 def _path_tokens(builder: TreeBuilder, node: int) -> list[int]:
     """Draft tokens root (excluded) .. node."""
-    parents, tokens, path = builder.parents.tolist(), builder.tokens.tolist(), []
+    parents, tokens, path = builder.parent_ids, builder.token_ids, []
     while node > 0:
         path.append(tokens[node])
         node = parents[node]

@@ -62,14 +62,14 @@ class ReplayProposer(Proposer):
             builder = TreeBuilder(req.all_token_ids[-1], self.topk, steps, budget)
             on_path = {0: True}  # pool id -> node lies on the (uncorrupted) reference path
             for depth in range(1, steps + 1):
-                frontier = builder.frontier().tolist()
+                frontier = builder.frontier_ids()
                 right = ref[done + depth - 1] if done + depth - 1 < len(ref) else None
                 ids, probs = [], []
                 for node in frontier:
                     node_ids, node_probs = self._children(right if on_path.get(node) else None, depth)
                     ids.append(node_ids)
                     probs.append(node_probs)
-                new = builder.expand(torch.tensor(ids), torch.tensor(probs)).tolist()
+                new = builder.expand_ids(ids, torch.tensor(probs))
                 for node, child_ids in zip(frontier, ids):
                     for j, tok in enumerate(child_ids):
                         pid = new[frontier.index(node) * self.topk + j]

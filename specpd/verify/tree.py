@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 
@@ -136,6 +137,11 @@ class TreeBuilder:
     Step 0 expands the root with its top-k; step s >= 1 expands the best `topk` of step s-1's new
     candidates, each with its top-k. Every candidate ever created competes in `finalize()`.
     Pool size: 1 + topk + (num_steps - 1) * topk**2 nodes, numbered in creation order.
+
+    The pool is Python lists (a tree has a handful of nodes: each torch op on them cost ~10 us, and a b1 round's
+    builders ~0.5 ms, ~4% of the round); scores are float32 as before (the log in torch, the sums rounded to
+    float32), so frontiers and trees are the torch builder's (tests/verify/tree_reference.py). Tensors are made
+    at `finalize` and by the views below.
     """
 
     def __init__(self, root_token: int, topk: int, num_steps: int, num_draft_tokens: int,
@@ -144,81 +150,95 @@ class TreeBuilder:
             raise ValueError(f"need topk >= 1, num_steps >= 1, num_draft_tokens >= 2; got "
                              f"topk={topk}, num_steps={num_steps}, num_draft_tokens={num_draft_tokens}")
         self.topk, self.num_steps, self.num_draft_tokens = topk, num_steps, num_draft_tokens
-        capacity = 1 + topk + (num_steps - 1) * topk * topk
-        self._tokens = torch.full((capacity,), int(root_token), dtype=torch.long, device=device)
-        self._parents = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self._depth = torch.zeros(capacity, dtype=torch.long, device=device)
-        self._cum = torch.zeros(capacity, device=device)
+        self.device = torch.device(device)
+        self.token_ids: list[int] = [int(root_token)]
+        self.parent_ids: list[int] = [-1]
+        self._depth: list[int] = [0]
+        self._cum: list[float] = [0.0]  # float32 values
         self._proposals: list[torch.Tensor] | None = None  # per step [F * K, V] (chains only)
-        self._size = 1
         self._last = (0, 1)  # node id range created by the last expand (the root before step 0)
         self.steps_done = 0
 
     @property
     def num_nodes(self) -> int:
-        return self._size
+        return len(self.token_ids)
 
     @property
     def done(self) -> bool:
         return self.steps_done == self.num_steps
 
-    # Views of the pool in creation order (the drafter builds its own attention from these).
+    # Views of the pool in creation order, as tensors (the drafter reads token_ids / parent_ids).
     @property
     def tokens(self) -> torch.Tensor:  # [N] long
-        return self._tokens[: self._size]
+        return torch.tensor(self.token_ids, dtype=torch.long, device=self.device)
 
     @property
     def parents(self) -> torch.Tensor:  # [N] long
-        return self._parents[: self._size]
+        return torch.tensor(self.parent_ids, dtype=torch.long, device=self.device)
 
     @property
     def depth(self) -> torch.Tensor:  # [N] long
-        return self._depth[: self._size]
+        return torch.tensor(self._depth, dtype=torch.long, device=self.device)
 
     @property
     def cum_logprob(self) -> torch.Tensor:  # [N] float
-        return self._cum[: self._size]
+        return torch.tensor(self._cum, dtype=torch.float32, device=self.device)
 
-    def frontier(self) -> torch.Tensor:
-        """[F] long pool ids to expand this step, ascending: the root at step 0, later the best `topk`
-        of the last step's new nodes by (cum_logprob desc, id asc)."""
+    def frontier_ids(self) -> list[int]:
+        """Pool ids to expand this step, ascending: the root at step 0, later the best `topk` of the last step's
+        new nodes by (cum_logprob desc, id asc)."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} draft steps are done")
-        start, end = self._last
-        best = torch.sort(self._cum[start:end], descending=True, stable=True).indices[: self.topk]
-        return (best + start).sort().values
+        cum = self._cum
+        return sorted(sorted(range(*self._last), key=lambda i: -cum[i])[: self.topk])
 
-    def expand(self, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
-               proposal_probs: torch.Tensor | None = None) -> torch.Tensor:
+    def frontier(self) -> torch.Tensor:
+        """[F] long: `frontier_ids`."""
+        return torch.tensor(self.frontier_ids(), dtype=torch.long, device=self.device)
+
+    def expand_ids(self, topk_ids: torch.Tensor | list, topk_probs: torch.Tensor,
+                   proposal_probs: torch.Tensor | None = None) -> range:
         """Add K children per frontier node, in frontier order then rank order.
 
-        topk_ids [F, K] long, topk_probs [F, K] draft probs (only scores). proposal_probs [F, K, V]:
-        the distribution each child was sampled from; allowed for chains (topk == 1) only, because
+        topk_ids [F, K] long (or nested lists), topk_probs [F, K] draft probs (only scores). proposal_probs
+        [F, K, V]: the distribution each child was sampled from; allowed for chains (topk == 1) only, because
         keeping sampled candidates by their score biases them away from that distribution.
-        Returns [F * K] new pool ids.
+        Returns the new pool ids (F * K of them).
         """
-        frontier = self.frontier()
-        f, k = frontier.shape[0], self.topk
-        if tuple(topk_ids.shape) != (f, k) or tuple(topk_probs.shape) != (f, k):
+        frontier = self.frontier_ids()
+        f, k = len(frontier), self.topk
+        ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else [list(r) for r in topk_ids]
+        if len(ids) != f or any(len(r) != k for r in ids) or tuple(topk_probs.shape) != (f, k):
             raise ValueError(f"expand expects topk_ids/topk_probs of shape [{f}, {k}], "
-                             f"got {tuple(topk_ids.shape)} / {tuple(topk_probs.shape)}")
+                             f"got {_shape(topk_ids)} / {tuple(topk_probs.shape)}")
         if proposal_probs is not None and k != 1:
             raise ValueError("sampled proposals need topk == 1: tree pruning by draft score is not lossless for them")
         if (proposal_probs is None) != (self._proposals is None) and self.steps_done > 0:
             raise ValueError("proposal_probs must be given at every step or at none")
-        device = self._tokens.device
-        start, end = self._size, self._size + f * k
-        logp = torch.log(topk_probs.float().to(device)).nan_to_num(nan=float("-inf")).clamp(max=0.0)
-        self._tokens[start:end] = topk_ids.to(device).reshape(-1)
-        self._parents[start:end] = frontier.repeat_interleave(k)
-        self._depth[start:end] = self.steps_done + 1
         # a child never outscores its parent (log p <= 0): finalize() relies on it
-        self._cum[start:end] = (self._cum[frontier].unsqueeze(1) + logp).reshape(-1)
+        logp = torch.log(topk_probs.float()).nan_to_num(nan=float("-inf")).clamp(max=0.0).tolist()
+        start = len(self.token_ids)
+        depth = self.steps_done + 1
+        with numpy.errstate(over="ignore"):  # (log 0 is scored float32's lowest: two of them add up to -inf)
+            for node, row_ids, row_logp in zip(frontier, ids, logp):
+                base = numpy.float32(self._cum[node])
+                for token, lp in zip(row_ids, row_logp):
+                    self.token_ids.append(int(token))
+                    self.parent_ids.append(node)
+                    self._depth.append(depth)
+                    self._cum.append(float(base + numpy.float32(lp)))  # float32 addition, as the torch builder's
         if proposal_probs is not None:
-            self._proposals = (self._proposals or []) + [proposal_probs.to(device).reshape(f * k, -1)]
-        self._size, self._last = end, (start, end)
+            self._proposals = (self._proposals or []) + [proposal_probs.to(self.device).reshape(f * k, -1)]
+        end = len(self.token_ids)
+        self._last = (start, end)
         self.steps_done += 1
-        return torch.arange(start, end, device=device)
+        return range(start, end)
+
+    def expand(self, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+               proposal_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """`expand_ids`, the new pool ids as a [F * K] long tensor."""
+        new = self.expand_ids(topk_ids, topk_probs, proposal_probs)
+        return torch.arange(new.start, new.stop, device=self.device)
 
     def finalize(self) -> DraftTree:
         """The root plus the best T-1 nodes (T = min(num_draft_tokens, pool size)) by
@@ -227,18 +247,25 @@ class TreeBuilder:
         Ancestor-closed even under ties: a parent has a smaller id and cum_logprob >= its child's,
         so it always ranks before the child.
         """
-        n = self._size
+        n = len(self.token_ids)
         t = min(self.num_draft_tokens, n)
-        best = torch.sort(self._cum[1:n], descending=True, stable=True).indices[: t - 1] + 1
-        keep = torch.cat([best.new_zeros(1), best.sort().values])
-        new_id = torch.full((n,), -1, dtype=torch.long, device=keep.device)
-        new_id[keep] = torch.arange(t, device=keep.device)
-        parents = torch.where(keep == 0, -1, new_id[self._parents[keep].clamp(min=0)])
+        cum = self._cum
+        keep = [0] + sorted(sorted(range(1, n), key=lambda i: -cum[i])[: t - 1])
+        new_id = {old: new for new, old in enumerate(keep)}
+        parents = [-1] + [new_id[self.parent_ids[i]] for i in keep[1:]]
         proposal = None
         if self._proposals is not None:
             rows = torch.cat(self._proposals)
-            proposal = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])[keep]
-        return DraftTree(self._tokens[keep], parents, self._depth[keep], self._cum[keep], proposal)
+            proposal = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])[torch.tensor(keep, device=rows.device)]
+        dev = self.device
+        return DraftTree(torch.tensor([self.token_ids[i] for i in keep], dtype=torch.long, device=dev),
+                         torch.tensor(parents, dtype=torch.long, device=dev),
+                         torch.tensor([self._depth[i] for i in keep], dtype=torch.long, device=dev),
+                         torch.tensor([cum[i] for i in keep], dtype=torch.float32, device=dev), proposal)
+
+
+def _shape(x) -> tuple:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else (len(x), *({len(r) for r in x} or {0}))
 
 
 @dataclass

@@ -123,3 +123,42 @@ def test_sampled_chain_keeps_proposals():
     tree = b.finalize()
     assert torch.equal(tree.proposal_probs[1:], q) and tree.proposal_probs[0].sum() == 0
     assert torch.equal(tree.proposal_probs, DraftTree.chain(0, [1, 2, 3], proposal_probs=q).proposal_probs)
+
+
+@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(1, 4, 5), (2, 3, 6), (4, 2, 5), (4, 4, 10), (3, 3, 40)])
+def test_the_list_builder_grows_the_torch_builders_trees(topk, num_steps, num_draft_tokens):
+    """The list-backed builder against the torch one it replaced (tests/verify/tree_reference.py), expand by
+    expand: the same frontiers and new ids, the same finalized tree bit for bit. Probabilities drawn to tie (a
+    few distinct values, repeated), with zeros (log -inf) and NaN (scored -inf), and from a softmax; chains with
+    sampled proposals too."""
+    from tests.verify.tree_reference import TorchTreeBuilder
+    gen = torch.Generator().manual_seed(topk * 100 + num_steps * 10 + num_draft_tokens)
+    for trial in range(60):
+        fast, ref = TreeBuilder(3, topk, num_steps, num_draft_tokens), TorchTreeBuilder(3, topk, num_steps,
+                                                                                           num_draft_tokens)
+        sampled = topk == 1 and trial % 2 == 1
+        while not ref.done:
+            frontier = ref.frontier()
+            assert fast.frontier_ids() == frontier.tolist() and torch.equal(fast.frontier(), frontier)
+            shape = (len(frontier), topk)
+            ids = torch.randint(0, 50, shape, generator=gen)
+            if trial % 3 == 0:  # ties: a few values, repeated
+                probs = torch.tensor([0.5, 0.25, 0.125, 0.0])[torch.randint(0, 4, shape, generator=gen)]
+            elif trial % 3 == 1:
+                probs = torch.rand(shape, generator=gen)
+                probs[torch.rand(shape, generator=gen) < 0.1] = float("nan")
+            else:
+                probs = torch.randn(shape[0], 64, generator=gen).softmax(-1).topk(topk, dim=-1).values
+            proposal = torch.rand(*shape, 8, generator=gen) if sampled else None
+            got = fast.expand(ids, probs, proposal) if trial % 2 else fast.expand_ids(ids.tolist(), probs, proposal)
+            want = ref.expand(ids, probs, proposal)
+            assert list(got) == want.tolist()
+        assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.parents, ref.parents)
+        assert torch.equal(fast.depth, ref.depth) and torch.equal(fast.cum_logprob, ref.cum_logprob)
+        a, b = fast.finalize(), ref.finalize()
+        for name in ("tokens", "parents", "depth", "cum_logprob"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), (name, x, y)
+        assert (a.proposal_probs is None) == (b.proposal_probs is None)
+        if a.proposal_probs is not None:
+            assert torch.equal(a.proposal_probs, b.proposal_probs)

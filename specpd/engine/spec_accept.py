@@ -136,26 +136,19 @@ class AcceptanceEstimates:
             out.append(rate if seen or d == 0 else out[-1])
         return out
 
-    def prior_rates(self, own: RequestStats | None = None) -> list[float]:
+    def prior_rates(self, own: RequestStats | None = None, running: bool = True) -> list[float]:
         """Per level, the per-request average conditional acceptance (REQUEST_RATE; a level no finished request
-        reached taking the one above's) with the other running requests' outcomes so far (PRIOR_POOL; not frozen):
-        the prior of the request whose statistics are `own` (None: a new request's)."""
+        reached taking the one above's) with the other running requests' outcomes so far (PRIOR_POOL; not frozen,
+        not `running=False`): the prior of the request whose statistics are `own` (None: a new request's)."""
         out = []
         for d, (rate, seen) in enumerate(zip(self.request_rates, self.request_seen)):
             base = rate if seen or d == 0 else out[-1]
-            if not self.frozen:
+            if running and not self.frozen:
                 acc, att = self.live_accepted[d], self.live_attempted[d]
                 if own is not None:
                     acc, att = acc - own.lifetime_accepted[d], att - own.lifetime_attempted[d]
                 base = (base * PRIOR_POOL + max(acc, 0.0)) / (PRIOR_POOL + max(att, 0.0))
             out.append(base)
-        return out
-
-    def _finished_rates(self) -> list[float]:
-        """The per-request average alone, a level no finished request reached taking the one above's."""
-        out = []
-        for d, (rate, seen) in enumerate(zip(self.request_rates, self.request_seen)):
-            out.append(rate if seen or d == 0 else out[-1])
         return out
 
     def top_path_share(self) -> list[float]:
@@ -236,7 +229,7 @@ class AcceptanceEstimates:
             self.live_attempted[d] = max(0.0, self.live_attempted[d] - att)
         if self.frozen:
             return
-        above = self._finished_rates()
+        above = self.prior_rates(running=False)
         for d, (acc, att) in enumerate(zip(st.lifetime_accepted, st.lifetime_attempted)):
             if att <= 0:
                 continue

@@ -207,10 +207,11 @@ class TreeBuilder:
         """
         frontier = self.frontier_ids()
         f, k = len(frontier), self.topk
-        ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else [list(r) for r in topk_ids]
-        if len(ids) != f or any(len(r) != k for r in ids) or tuple(topk_probs.shape) != (f, k):
+        ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
+        shape = (len(ids), *{len(r) if isinstance(r, (list, tuple)) else -1 for r in ids})
+        if shape != (f, k) or tuple(topk_probs.shape) != (f, k):
             raise ValueError(f"expand expects topk_ids/topk_probs of shape [{f}, {k}], "
-                             f"got {_shape(topk_ids)} / {tuple(topk_probs.shape)}")
+                             f"got {shape} / {tuple(topk_probs.shape)}")
         if proposal_probs is not None and k != 1:
             raise ValueError("sampled proposals need topk == 1: tree pruning by draft score is not lossless for them")
         if (proposal_probs is None) != (self._proposals is None) and self.steps_done > 0:
@@ -262,10 +263,6 @@ class TreeBuilder:
                          torch.tensor(parents, dtype=torch.long, device=dev),
                          torch.tensor([self._depth[i] for i in keep], dtype=torch.long, device=dev),
                          torch.tensor([cum[i] for i in keep], dtype=torch.float32, device=dev), proposal)
-
-
-def _shape(x) -> tuple:
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else (len(x), *({len(r) for r in x} or {0}))
 
 
 @dataclass

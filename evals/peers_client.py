@@ -178,7 +178,8 @@ def measure_interleaved(runs: list[peers.Running], entries: dict[str, dict], wor
             time.sleep(gap_s)
     for run in runs:
         name = run.spec.name
-        record_cell(run, entries[name], workload, 1, rows[name], wall[name], before[name])
+        cell = record_cell(run, entries[name], workload, 1, rows[name], wall[name], before[name])
+        cell["tpot_s_by_prompt"] = [r.get("tpot_s") for r in rows[name]]  # the cell's prompts in order (pairs)
 
 
 def record_cell(run: peers.Running, entry: dict, workload: str, c: int, rows: list[dict], wall: float,

@@ -14,6 +14,14 @@ GUESS_C1_TOK_S = {"specpd": 18.0, "vllm": 18.0, "llamacpp": 60.0}
 GUESS_GAIN = {1: 1.0, 8: 4.0, 32: 8.0}
 
 
+C1_REQUESTS = 24  # requests per c1 cell by default: a c1 cell's TPOT p50 is one request's, and with 8 a 1.3x
+# ratio moved 0.3 from run to run (peers_spec, stops 57-58)
+
+
+def requests_per_cell(args, c: int) -> int:
+    return args.requests or (C1_REQUESTS if c == 1 else max(8, c))
+
+
 def lscpu() -> dict:
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -66,8 +74,24 @@ def pairs(servers: dict, keys: list[str]) -> dict:
             if tok:
                 row[key] = {"tok_s_ratio": _median(tok), "tok_s_ratio_spread": _spread(tok), "tok_s_ratios": tok,
                             "tpot_speedup": _median(tpot), "tpot_speedup_spread": _spread(tpot)}
+                row[key].update(pooled_tpot(both))
         out[name] = row
     return out
+
+
+def pooled_tpot(both: list[tuple[dict, dict]]) -> dict:
+    """At c1 run prompt by prompt (measure_interleaved), every rep's requests together: plain's TPOT p50 over the
+    server's (what one long run of the same requests would read) and, prompt by prompt, plain's TPOT over the
+    server's: median and 10-90%. Empty where the cells did not record their prompts' TPOTs."""
+    pairs_ = [(p, s) for a, b in both for s, p in zip(a.get("tpot_s_by_prompt") or [], b.get("tpot_s_by_prompt") or [])
+              if p and s]
+    if len(pairs_) < 10:
+        return {}
+    by_prompt = [p / s for p, s in pairs_]
+    deciles = statistics.quantiles(by_prompt, n=10)
+    return {"tpot_speedup_pooled": _median([p for p, _ in pairs_]) / _median([s for _, s in pairs_]),
+            "tpot_speedup_by_prompt": _median(by_prompt), "tpot_speedup_by_prompt_10_90": [deciles[0], deciles[-1]],
+            "pooled_requests": len(pairs_)}
 
 
 def matching_prefix(a: list[int] | str, b: list[int] | str) -> int | None:
@@ -118,6 +142,11 @@ def table(report: dict) -> str:
             lo, hi = c["tok_s_ratio_spread"]
             lines.append(f"{name:26s} {key:14s} tok/s over specpd plain {c['tok_s_ratio']:.2f}x [{lo:.2f}-{hi:.2f}] "
                          f"over {len(c['tok_s_ratios'])} reps")
+            if "tpot_speedup_pooled" in c:
+                lo, hi = c["tpot_speedup_by_prompt_10_90"]
+                lines.append(f"{name:26s} {key:14s} TPOT over specpd plain {c['tpot_speedup']:.2f}x (reps' median), "
+                             f"{c['tpot_speedup_pooled']:.2f}x (p50 over all {c['pooled_requests']} requests), "
+                             f"{c['tpot_speedup_by_prompt']:.2f}x prompt by prompt [{lo:.2f}-{hi:.2f} 10-90%]")
     return "\n".join(lines)
 
 
@@ -165,7 +194,7 @@ def estimate_s(args, specs, report: dict | None) -> float:
         c1 = _median([c["output_tok_s"] for r in measured for k, c in r.get("cells", {}).items() if k.endswith("/c1")])
         per_rep = startup + 10.0  # + parity prompts, idle probe, shutdown
         for c in args.concurrency:
-            n = args.requests or max(8, c)
+            n = requests_per_cell(args, c)
             tok_s = (c1 or GUESS_C1_TOK_S[spec.engine]) * GUESS_GAIN.get(c, min(c, 8))
             per_rep += len(args.workloads) * n * args.max_tokens / tok_s
         total += args.reps * per_rep

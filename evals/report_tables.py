@@ -57,12 +57,17 @@ def peers_spec(d: dict) -> str:
         else:
             ratio = _f(plain[key][field] / spec[key][field] if field == "tpot_p50_ms"
                        else spec[key][field] / plain[key][field], 2, "×")
+        pooled = pairs.get(key, {})
+        pooled = "–" if "tpot_speedup_pooled" not in pooled else (
+            _f(pooled["tpot_speedup_pooled"], 2, "×") + f" / {_f(pooled['tpot_speedup_by_prompt'], 2, '×')}"
+            + _spread(pooled["tpot_speedup_by_prompt_10_90"]) + f" ({pooled['pooled_requests']} requests)")
         rows.append([key, _f(plain[key][field], 1) + _spread(plain[key][field + "_spread"], 1),
-                     _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), ratio,
+                     _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), ratio, pooled,
                      _f(spec[key]["tau"]), _percent(spec[key].get("depth0_share"))])
     return _table(["cell", "plain (TPOT ms at c1, tok/s above)", "eagle3 defaults",
-                   "eagle3 over plain (median of the reps' pairs where paired)", "τ", "rounds at depth 0"],
-                  rows)
+                   "eagle3 over plain (median of the reps' pairs where paired)",
+                   "c1, every rep's requests: TPOT p50 over p50 / prompt by prompt (10–90%)", "τ",
+                   "rounds at depth 0"], rows)
 
 
 def _percent(x) -> str:

@@ -128,3 +128,34 @@ def test_paired_c1_runs_each_prompt_on_every_server_in_turn_the_order_rotated(mo
         cell = entries[name]["cells"]["chat/c1"]
         assert cell["requests"] == 3 and cell["wall_s"] == 1.5 and cell["output_tok_s"] == 24 / 1.5
         assert abs(cell["tpot_p50_s"] * 1e3 - tpot) < 1e-9
+        assert cell["tpot_s_by_prompt"] == [tpot / 1e3] * 3  # in the prompts' order, for pairs' pooled ratio
+
+
+def test_c1_pairs_pool_every_reps_requests_prompt_by_prompt():
+    def rep(plain_or_spec, scale):
+        tpots = [0.010 * (1 + i / 10) * scale for i in range(6)]  # prompt i: its own TPOT on either server
+        if plain_or_spec == "spec":
+            tpots = [t / (1.5 if i % 2 else 1.2) for i, t in enumerate(tpots)]
+        return {"cells": {"chat/c1": {"output_tok_s": 100.0, "tpot_p50_s": tpots[3], "tpot_s_by_prompt": tpots}}}
+    servers = {"specpd/plain/bf16": {"reps": [rep("plain", 1.0), rep("plain", 1.3)]},
+               "specpd/eagle3/bf16": {"reps": [rep("spec", 1.0), rep("spec", 1.3)]}}
+    cell = peers_report.pairs(servers, ["chat/c1"])["specpd/eagle3/bf16"]["chat/c1"]
+    assert cell["pooled_requests"] == 12
+    assert abs(cell["tpot_speedup_by_prompt"] - 1.35) < 1e-9  # six prompt pairs at 1.2, six at 1.5
+    assert abs(cell["tpot_speedup_by_prompt_10_90"][0] - 1.2) < 1e-9
+    assert abs(cell["tpot_speedup_by_prompt_10_90"][1] - 1.5) < 1e-9
+    plain = sorted(0.010 * (1 + i / 10) * s for s in (1.0, 1.3) for i in range(6))
+    spec = sorted(0.010 * (1 + i / 10) * s / (1.5 if i % 2 else 1.2) for s in (1.0, 1.3) for i in range(6))
+    want = (plain[5] + plain[6]) / (spec[5] + spec[6])
+    assert abs(cell["tpot_speedup_pooled"] - want) < 1e-9
+    servers["specpd/plain/bf16"]["reps"][0]["cells"]["chat/c1"].pop("tpot_s_by_prompt")  # an older run's file
+    servers["specpd/plain/bf16"]["reps"][1]["cells"]["chat/c1"].pop("tpot_s_by_prompt")
+    assert "tpot_speedup_pooled" not in peers_report.pairs(servers, ["chat/c1"])["specpd/eagle3/bf16"]["chat/c1"]
+
+
+def test_c1_cells_take_more_requests_than_the_wider_ones():
+    import bench_peers
+    args = argparse.Namespace(requests=None)
+    assert bench_peers.requests_per_cell(args, 1) == bench_peers.C1_REQUESTS > 8
+    assert bench_peers.requests_per_cell(args, 8) == 8 and bench_peers.requests_per_cell(args, 32) == 32
+    assert bench_peers.requests_per_cell(argparse.Namespace(requests=5), 1) == 5

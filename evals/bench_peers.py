@@ -45,8 +45,8 @@ import peers  # noqa: E402
 from common import humaneval_prompts, log, machine_info, versions, write_json  # noqa: E402
 from peers_client import (PAIRED_GAP_S, PARITY_PROMPTS, PARITY_TOKENS, paired_rep,  # noqa: E402
                           serve_and_measure)
-from peers_report import (C1_REQUESTS, estimate_s, lscpu, pairs, parity_report, plot, requests_per_cell,  # noqa: E402
-                          summarize_cell, table)
+from peers_report import (C1_REQUESTS, MIN_REQUESTS, estimate_s, lscpu, pairs, parity_report, plot,  # noqa: E402
+                          requests_per_cell, summarize_cell, table)
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 CONFIGS, DTYPES, ENGINES = ("plain", "eagle3", "ngram"), ("bf16", "fp32"), ("specpd", "vllm", "llamacpp")
@@ -163,7 +163,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--requests", type=int, default=None,
-                    help=f"requests per cell (default: {C1_REQUESTS} at c1, else max(8, concurrency))")
+                    help=f"requests per cell (default: {C1_REQUESTS} at c1, else max({MIN_REQUESTS}, 2 x concurrency))")
     ap.add_argument("--quick", action="store_true", help="smoke: 1 rep, c1, chat, 4 prompts, 32 tokens")
     ap.add_argument("--estimate", action="store_true", help="print the estimated run time of these flags and exit")
     ap.add_argument("--paired", action="store_true",

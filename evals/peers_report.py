@@ -16,10 +16,15 @@ GUESS_GAIN = {1: 1.0, 8: 4.0, 32: 8.0}
 
 C1_REQUESTS = 24  # requests per c1 cell by default: a c1 cell's TPOT p50 is one request's, and with 8 a 1.3x
 # ratio moved 0.3 from run to run (peers_spec, stops 57-58)
+MIN_REQUESTS = 32  # and at least this many, twice the concurrency, in a wider cell (requests_per_cell)
 
 
 def requests_per_cell(args, c: int) -> int:
-    return args.requests or (C1_REQUESTS if c == 1 else max(8, c))
+    """Requests a cell runs at concurrency c (its clients in a closed loop: a finished request's client sends the
+    next). Wider cells keep their clients busy for several requests, as serving benchmarks run (vLLM's `bench
+    serve --max-concurrency`, SGLang's bench_serving), not one burst whose slowest request sets the wall: there a
+    server that finishes some requests early (speculation) gains nothing from it, and a burst of 8 lasted ~2 s."""
+    return args.requests or (C1_REQUESTS if c == 1 else max(MIN_REQUESTS, 2 * c))
 
 
 def lscpu() -> dict:

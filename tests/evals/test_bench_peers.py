@@ -153,9 +153,9 @@ def test_c1_pairs_pool_every_reps_requests_prompt_by_prompt():
     assert "tpot_speedup_pooled" not in peers_report.pairs(servers, ["chat/c1"])["specpd/eagle3/bf16"]["chat/c1"]
 
 
-def test_c1_cells_take_more_requests_than_the_wider_ones():
+def test_cells_take_more_requests_than_their_clients():
     import bench_peers
     args = argparse.Namespace(requests=None)
     assert bench_peers.requests_per_cell(args, 1) == bench_peers.C1_REQUESTS > 8
-    assert bench_peers.requests_per_cell(args, 8) == 8 and bench_peers.requests_per_cell(args, 32) == 32
+    assert bench_peers.requests_per_cell(args, 8) == 32 and bench_peers.requests_per_cell(args, 32) == 64
     assert bench_peers.requests_per_cell(argparse.Namespace(requests=5), 1) == 5

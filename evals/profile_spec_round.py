@@ -152,9 +152,13 @@ def forward_by_rows(reps: int) -> dict:
         for name, parents in TREES.items():
             fwd[name].append(forward(parents))
     runner.kv_pool.allocator.free(pages[0])
-    base = statistics.median(fwd["1 row"])
+    base, best = statistics.median(fwd["1 row"]), min(fwd["1 row"])
+    # the best too: where the box's memory is shared its median mixes two speeds (1 row 5.6 or ~7.5 ms on an EPYC),
+    # and a verify row's cost shows at the quiet one, where reading the weights is cheapest
     return {name: {"forward_ms": round(1000 * statistics.median(fwd[name]), 3),
-                   "over_1_row": round(statistics.median(fwd[name]) / base, 3)} for name in TREES}
+                   "over_1_row": round(statistics.median(fwd[name]) / base, 3),
+                   "forward_ms_best": round(1000 * min(fwd[name]), 3),
+                   "best_over_1_row": round(min(fwd[name]) / best, 3)} for name in TREES}
 
 
 def main() -> int:

@@ -191,7 +191,9 @@ def profile_spec_round(d: dict) -> str:
     r = d["round"]
     p, f = r["plain_step_ms"], r["fixed_round_ms"]
     parts = ", ".join(f"{k.replace('_', ' ')} {_f(v, 2)}" for k, v in f.items() if k != "round")
-    fwd = ", ".join(f"{k} {_f(v['forward_ms'], 1)} ms ({_f(v['over_1_row'], 2, '×')})"
+    fwd = ", ".join(f"{k} {_f(v['forward_ms'], 1)} ms ({_f(v['over_1_row'], 2, '×')}"
+                    + (f"; best {_f(v['forward_ms_best'], 1)} ms, {_f(v['best_over_1_row'], 2, '×')}"
+                       if "forward_ms_best" in v else "") + ")"
                     for k, v in d["forward_by_rows"].items())
     return (_table(["engine (b1, held-out chat)", "tok/s over plain", "per prompt, median (10–90%)", "ms per token",
                     "tokens per round"], rows)

@@ -57,10 +57,10 @@ def peers_spec(d: dict) -> str:
         else:
             ratio = _f(plain[key][field] / spec[key][field] if field == "tpot_p50_ms"
                        else spec[key][field] / plain[key][field], 2, "×")
-        pooled = pairs.get(key, {})
-        pooled = "–" if "tpot_speedup_pooled" not in pooled else (
-            _f(pooled["tpot_speedup_pooled"], 2, "×") + f" / {_f(pooled['tpot_speedup_by_prompt'], 2, '×')}"
-            + _spread(pooled["tpot_speedup_by_prompt_10_90"]) + f" ({pooled['pooled_requests']} requests)")
+        pair = pairs.get(key, {})
+        pooled = "–" if "tpot_speedup_pooled" not in pair else (
+            _f(pair["tpot_speedup_pooled"], 2, "×") + f" / {_f(pair['tpot_speedup_by_prompt'], 2, '×')}"
+            + _spread(pair["tpot_speedup_by_prompt_10_90"]) + f" ({pair['pooled_requests']} requests)")
         rows.append([key, _f(plain[key][field], 1) + _spread(plain[key][field + "_spread"], 1),
                      _f(spec[key][field], 1) + _spread(spec[key][field + "_spread"], 1), ratio, pooled,
                      _f(spec[key]["tau"]), _percent(spec[key].get("depth0_share"))])

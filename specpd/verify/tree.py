@@ -184,13 +184,17 @@ class TreeBuilder:
     def cum_logprob(self) -> torch.Tensor:  # [N] float
         return torch.tensor(self._cum, dtype=torch.float32, device=self.device)
 
+    def _best(self, ids: range, n: int) -> list[int]:
+        """The best `n` of `ids` by (cum_logprob desc, id asc), ascending: the one ranking frontiers and trees use."""
+        cum = self._cum
+        return sorted(sorted(ids, key=lambda i: -cum[i])[:n])
+
     def frontier_ids(self) -> list[int]:
         """Pool ids to expand this step, ascending: the root at step 0, later the best `topk` of the last step's
         new nodes by (cum_logprob desc, id asc)."""
         if self.done:
             raise RuntimeError(f"all {self.num_steps} draft steps are done")
-        cum = self._cum
-        return sorted(sorted(range(*self._last), key=lambda i: -cum[i])[: self.topk])
+        return self._best(range(*self._last), self.topk)
 
     def frontier(self) -> torch.Tensor:
         """[F] long: `frontier_ids`."""
@@ -251,7 +255,7 @@ class TreeBuilder:
         n = len(self.token_ids)
         t = min(self.num_draft_tokens, n)
         cum = self._cum
-        keep = [0] + sorted(sorted(range(1, n), key=lambda i: -cum[i])[: t - 1])
+        keep = [0] + self._best(range(1, n), t - 1)
         new_id = {old: new for new, old in enumerate(keep)}
         parents = [-1] + [new_id[self.parent_ids[i]] for i in keep[1:]]
         proposal = None

@@ -27,21 +27,28 @@ from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 
-SHAPES = {  # (steps, topk, tokens)
+SHAPES = {  # (steps, topk, tokens[, n-gram min match])
     "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (2, 2, 4), (3, 2, 6), (2, 4, 5), (3, 3, 6), (3, 4, 8), (4, 4, 12)],
     "mtp": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 2, 6), (2, 4, 5), (3, 4, 8)],
-    "ngram": [(4, 1, 5), (8, 1, 9), (12, 1, 13), (6, 2, 12), (8, 3, 16)],
+    "ngram": [(4, 1, 5), (8, 1, 9), (12, 1, 13), (6, 2, 12), (8, 3, 16), (6, 2, 12, 1), (8, 1, 9, 1), (10, 1, 11, 1),
+              (8, 3, 16, 1)],
     "hybrid": [(3, 2, 6), (2, 4, 5), (3, 4, 6), (3, 4, 8), (4, 4, 10)],
 }
 WORKLOAD = {"eagle3": "chat", "mtp": "chat", "ngram": "grounded", "hybrid": "chat"}
 
 
-def spec_config(alg: str, s: int, k: int, t: int) -> SpecConfig:
+def spec_config(alg: str, s: int, k: int, t: int, min_match: int = 2) -> SpecConfig:
     if alg == "hybrid":
         return SpecConfig("eagle3", draft_model="default", spec_num_steps=s, spec_topk=k, spec_num_draft_tokens=t,
-                          spec_ngram=True)
+                          spec_ngram=True, spec_ngram_min_match=min_match)
     return SpecConfig(alg, draft_model=None if alg == "ngram" else "default", spec_num_steps=s, spec_topk=k,
-                      spec_num_draft_tokens=t, spec_ngram=False)  # a head's own shape
+                      spec_num_draft_tokens=t, spec_ngram=False, spec_ngram_min_match=min_match)  # a head's own shape
+
+
+def shape_name(shape: tuple[int, ...]) -> str:
+    """S6_K2_T12; with a min match other than 2 (SpecConfig's default), S6_K2_T12_M1."""
+    name = "S{}_K{}_T{}".format(*shape[:3])
+    return name if len(shape) < 4 or shape[3] == 2 else f"{name}_M{shape[3]}"
 
 
 def main() -> None:
@@ -70,9 +77,9 @@ def main() -> None:
         # would find its own last reply there (a hybrid rep over repeated prompts read 2.1x against 1.2-1.4x)
         prompts = WORKLOADS[WORKLOAD[alg]](ckpt.tokenizer, args.num_prompts * args.reps, "train")
         engines = {"non_spec": LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=512)), checkpoint=ckpt)}
-        for s, k, t in SHAPES[alg]:
-            spec = spec_config(alg, s, k, t)
-            engines[f"S{s}_K{k}_T{t}"] = LLMEngine(EngineConfig(model="default", spec=spec,
+        for shape in SHAPES[alg]:
+            spec = spec_config(alg, *shape)
+            engines[shape_name(shape)] = LLMEngine(EngineConfig(model="default", spec=spec,
                                                                 cache=CacheConfig(num_pages=512)), checkpoint=ckpt)
         ratios = {n: [] for n in engines if n != "non_spec"}
         for rep in range(args.reps):

@@ -109,6 +109,12 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # T=5 then lost 7%; at batch 8 neither speculates now: 0.977x / 0.973x plain in-process)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (2, 4, 5), "replay": (4, 1, 5)}
+# n-gram drafting alone on a CPU without AMX, where each verify row costs compute (AVX512-BF16 / AVX2: a b1 forward
+# streams the weights, 8 rows multiply them; evals/results/profile_spec_round.json): a chain of 8 at min match 1.
+# spec_tuning.json's "ngram" (AMD EPYC, 16 training grounded prompts): S8_K1_T9_M1 3.54x non-spec, S8_K1_T9 3.34x,
+# S6_K2_T12 2.85x. With AMX a row is nearly free and the tree above stays (a Xeon's run at a447e9d read S8_K3_T16
+# 5.23x, S6_K2_T12 4.74x, S8_K1_T9 4.18x at one thread; min match 1 not tried there)
+NGRAM_SHAPE_ROWS_COST = (8, 1, 9)
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,9 @@ class SpecConfig:
     # EAGLE-family algorithm, the best configuration measured (docs/results.md, spec_workloads.json); False:
     # the draft model alone
     spec_ngram: bool | None = None
-    spec_ngram_min_match: int = 2
+    # None: 1 for the n-gram drafter alone (a one-token match still drafts; the policy prices its weaker guesses),
+    # 2 merged into a head's tree (the head drafts where only one token matches; 1 read no faster there)
+    spec_ngram_min_match: int | None = None
     spec_ngram_max_match: int = 8
     spec_ngram_store_tokens: int = 65536
 
@@ -155,7 +163,16 @@ class SpecConfig:
         return self.spec_ngram
 
     @property
+    def ngram_min_match(self) -> int:
+        if self.spec_ngram_min_match is not None:
+            return self.spec_ngram_min_match
+        return 2 if self.hybrid else 1
+
+    @property
     def _shape(self) -> tuple[int, int, int]:
+        if self.speculative_algorithm == "ngram":
+            from specpd import machine
+            return DEFAULT_SHAPES["ngram"] if machine.isa() == "amx" else NGRAM_SHAPE_ROWS_COST
         return DEFAULT_SHAPES.get("hybrid" if self.hybrid else self.speculative_algorithm, (4, 1, 5))
 
     @property
@@ -191,9 +208,9 @@ class SpecConfig:
         if self.spec_ngram and self.speculative_algorithm not in EAGLE_FAMILY:
             raise ValueError(f"spec_ngram merges n-gram candidates into an EAGLE-family tree; "
                              f"speculative_algorithm is {self.speculative_algorithm!r} (use 'ngram' alone)")
-        if not 1 <= self.spec_ngram_min_match <= self.spec_ngram_max_match:
+        if not 1 <= self.ngram_min_match <= self.spec_ngram_max_match:
             raise ValueError(f"need 1 <= spec_ngram_min_match <= spec_ngram_max_match, got "
-                             f"{self.spec_ngram_min_match} and {self.spec_ngram_max_match}")
+                             f"{self.ngram_min_match} and {self.spec_ngram_max_match}")
         if self.spec_ngram_store_tokens < 0:
             raise ValueError(f"spec_ngram_store_tokens must be >= 0, got {self.spec_ngram_store_tokens}")
         return self

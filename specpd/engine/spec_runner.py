@@ -334,7 +334,7 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
 
 
 def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:
-    return NgramProposer(steps, topk, num_tokens, spec.spec_ngram_min_match, spec.spec_ngram_max_match,
+    return NgramProposer(steps, topk, num_tokens, spec.ngram_min_match, spec.spec_ngram_max_match,
                          spec.spec_ngram_store_tokens)
 
 

@@ -82,7 +82,8 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
                                  "comparisons)",
          "spec_ngram": "merge n-gram candidates into the draft model's tree (hybrid; default: on for eagle, "
                        "eagle3 and mtp; --no-spec-ngram drafts with the head alone)",
-         "spec_ngram_min_match": "shortest context an n-gram match may use",
+         "spec_ngram_min_match": "shortest context an n-gram match may use (default: 1 for ngram alone, 2 merged "
+                                 "into a head's tree)",
          "spec_ngram_max_match": "longest context an n-gram match may use",
          "spec_ngram_store_tokens": "tokens of finished requests' outputs kept for n-gram matching across "
                                     "requests (0: off)"}

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from specpd.config import DEFAULT_SHAPES, CacheConfig, EngineConfig, SchedulerConfig
+from specpd import machine
+from specpd.config import DEFAULT_SHAPES, NGRAM_SHAPE_ROWS_COST, CacheConfig, EngineConfig, SchedulerConfig
 from specpd.server.cli import build_parser, config_from_args, ready_message
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,6 +70,23 @@ def test_an_eagle_family_head_merges_ngrams_by_default_and_no_spec_ngram_runs_it
     assert not spec().hybrid
     with pytest.raises(ValueError, match="spec_ngram merges"):
         spec("--speculative-algorithm", "ngram", "--spec-ngram")
+
+
+def test_ngram_defaults_follow_the_machine_and_flags_win():
+    """n-grams alone: a chain of 8 at min match 1 where verify rows cost compute (no AMX), the tree with AMX;
+    merged into a head's tree: min match 2. Every explicit flag wins."""
+    def spec(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).spec.validate()
+
+    alone = spec("--speculative-algorithm", "ngram")
+    shape = DEFAULT_SHAPES["ngram"] if machine.isa() == "amx" else NGRAM_SHAPE_ROWS_COST
+    assert (alone.num_steps, alone.topk, alone.num_draft_tokens) == shape and alone.ngram_min_match == 1
+    assert spec("--speculative-algorithm", "eagle3", "--draft-model", "default").ngram_min_match == 2
+    given = spec("--speculative-algorithm", "ngram", "--spec-ngram-min-match", "3", "--spec-num-steps", "4",
+                 "--spec-topk", "2", "--spec-num-draft-tokens", "7")
+    assert (given.num_steps, given.topk, given.num_draft_tokens, given.ngram_min_match) == (4, 2, 7, 3)
+    with pytest.raises(ValueError, match="spec_ngram_min_match"):
+        spec("--speculative-algorithm", "ngram", "--spec-ngram-min-match", "9")
 
 
 def test_free_port_draws_outside_the_ephemeral_range_and_never_twice():

@@ -169,13 +169,13 @@ class EagleProposer(Proposer):
                             [requests[i].pages for i in level], step=s, tree_masks=masks or None)
             bias = self._grammar_bias(requests, builders, level, frontiers)
             top_ids, top_probs = self._topk(out, step=s, bias=bias)
-            row = 0
+            row, out_rows = 0, out.unbind(0)  # one op for every row's view (indexing made one per row)
             for i in level:
                 fr, ph = frontiers[i], pred_hidden[i]
                 new = builders[i].expand_ids(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)])
                 for j in range(len(fr)):
                     for child in new[j * k:(j + 1) * k]:
-                        ph[child] = out[row + j]
+                        ph[child] = out_rows[row + j]
                 row += len(fr)
         for i in active:
             trees[i] = builders[i].finalize()
@@ -186,15 +186,15 @@ class EagleProposer(Proposer):
                       width: int) -> torch.Tensor:
         """[F, width] bool over this round's scratch slots: each frontier node sees the slots of its
         ancestors drafted at earlier steps, and its own."""
-        mask = torch.zeros(len(frontier), width, dtype=torch.bool)
+        rows = [[False] * width for _ in frontier]  # one tensor at the end, not an indexed write per slot
         parents = builder.parent_ids
         for f, node in enumerate(frontier):
             n = node
             while n > 0:
                 if n in slot_of:
-                    mask[f, slot_of[n]] = True
+                    rows[f][slot_of[n]] = True
                 n = parents[n]
-        return mask
+        return torch.tensor(rows, dtype=torch.bool).reshape(len(frontier), width)
 
 
 def _path_tokens(builder: TreeBuilder, node: int) -> list[int]:

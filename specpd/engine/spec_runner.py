@@ -102,9 +102,9 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             if it.spec_decode:
                 tree = trees[id(it)]
                 ids.extend(tree.tokens.tolist())
-                positions.extend((it.start + tree.depth).tolist())
+                positions.extend(it.start + d for d in tree.depth.tolist())
                 q_lens.append(len(tree.tokens))
-                chain = bool((tree.parents == torch.arange(-1, len(tree.tokens) - 1)).all())
+                chain = tree.parents.tolist() == list(range(-1, len(tree.tokens) - 1))
                 masks.append(None if chain else tree.attention_mask())  # a chain is plain causal
             else:
                 ids.extend(it.request.all_token_ids[it.start:it.start + it.num_tokens])

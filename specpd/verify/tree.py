@@ -98,16 +98,15 @@ class DraftTree:
 
     def attention_mask(self) -> torch.Tensor:
         """[T, T] bool: node i attends to node j iff j is an ancestor of i or i itself."""
-        n = self.num_nodes
-        rows = torch.arange(n, device=self.tokens.device)
-        mask = torch.zeros(n, n, dtype=torch.bool, device=rows.device)
-        mask[rows, rows] = True
-        ancestor = self.parents.clone()
-        for _ in range(self.max_depth):
-            has = ancestor >= 0
-            mask[rows[has], ancestor[has]] = True
-            ancestor = torch.where(has, self.parents[ancestor.clamp(min=0)], ancestor)
-        return mask
+        # in Python, one tensor at the end: a tree has a handful of nodes, and a torch op per depth level cost more
+        # than the whole walk
+        parents = self.parents.tolist()
+        rows = []
+        for i, parent in enumerate(parents):
+            row = rows[parent][:] if parent >= 0 else [False] * len(parents)  # parents come before children
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool, device=self.tokens.device).reshape(len(parents), len(parents))
 
     def kv_mask(self, committed_len: int) -> torch.Tensor:
         """[T, committed_len + T] bool: the whole cached prefix, then the tree mask over the scratch slots."""

@@ -114,6 +114,68 @@ def test_merge_trees_unions_paths_and_keeps_the_likeliest():
     assert merged.cum_logprob.exp()[1].item() == pytest.approx(0.75)
 
 
+def torch_merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
+    """merge_trees as it was, ranking with torch ops: its reference."""
+    root = int(trees[0].tokens[0])
+    keys, tokens, parents, depth, miss = {}, [root], [-1], [0], [1.0]
+    for tree in trees:
+        mapped, probs = [0], tree.cum_logprob.exp().tolist()
+        for node, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+            if node == 0:
+                continue
+            m = keys.get((mapped[par], tok))
+            if m is None:
+                m = keys[(mapped[par], tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(mapped[par])
+                depth.append(depth[mapped[par]] + 1)
+                miss.append(1.0)
+            miss[m] *= 1.0 - min(max(probs[node], 0.0), 1.0)
+            mapped.append(m)
+    score = torch.tensor([1.0 - x for x in miss])
+    score[0] = 2.0
+    keep = torch.sort(score, descending=True, stable=True).indices[:budget].sort().values
+    new_id = torch.full((len(tokens),), -1, dtype=torch.long)
+    new_id[keep] = torch.arange(keep.numel())
+    par = torch.tensor(parents)[keep]
+    return DraftTree(torch.tensor(tokens)[keep], torch.where(par < 0, -1, new_id[par.clamp(min=0)]),
+                     torch.tensor(depth)[keep], score[keep].clamp(max=1.0).clamp(min=1e-12).log())
+
+
+def test_merge_trees_equals_the_torch_ranking_it_replaced():
+    """Ranked in Python, merged trees equal the torch version's (ties, shared paths, budgets past the trie)."""
+    from tests.verify.tree_reference import random_tree
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        a = random_tree(gen, int(torch.randint(1, 10, (1,), generator=gen)), vocab=3)
+        b = random_tree(gen, int(torch.randint(1, 10, (1,), generator=gen)), vocab=3)
+        for budget in (1, 2, 4, 6, 20):
+            got, want = merge_trees([a, b], budget), torch_merge_trees([a, b], budget)
+            for name in ("tokens", "parents", "depth", "cum_logprob"):
+                x, y = getattr(got, name), getattr(want, name)
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_merge_trees_ranks_float32_scores_so_a_tie_keeps_the_earlier_node():
+    """Two root children drafted by both trees, whose merged scores 1 - (1 - p_a)(1 - p_b) differ in double but
+    round to one float32 value, tie, and the earlier one stays: the ranking the torch version made on its float32
+    scores."""
+    logp = torch.tensor(-1.2)  # path probabilities ~0.3
+    p = logp.exp().item()
+    while True:  # the later child's second source a float32 step up, until its score only differs in double
+        logp = torch.nextafter(logp, torch.tensor(0.0))
+        q = logp.exp().item()
+        s5, s6 = 1 - (1 - p) * (1 - p), 1 - (1 - p) * (1 - q)
+        if s6 > s5 and torch.tensor(s6).item() == torch.tensor(s5).item():
+            break
+    both = dict(parents=torch.tensor([-1, 0, 0]), depth=torch.tensor([0, 1, 1]))
+    a = DraftTree(torch.tensor([0, 5, 6]), cum_logprob=torch.tensor([0.0, p, p]).log(), **both)
+    b = DraftTree(torch.tensor([0, 5, 6]), cum_logprob=torch.stack([torch.tensor(0.0), torch.tensor(p).log(), logp]),
+                  **both)
+    assert torch_merge_trees([a, b], budget=2).tokens.tolist() == [0, 5]
+    assert merge_trees([a, b], budget=2).tokens.tolist() == [0, 5]
+
+
 # -- lossless in the engine -------------------------------------------------------------------
 PROMPTS = [[5, 17, 99, 3, 5, 17, 99, 3, 5, 17], list(range(40, 77)) * 2, [7], list(range(100, 113)) + [100, 101]]
 GREEDY = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)

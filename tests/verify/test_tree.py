@@ -72,6 +72,18 @@ def test_ancestor_closed_under_ties(topk, num_steps):
         check_structure(tree)  # every kept node's parent is kept and comes first
 
 
+def test_attention_mask_equals_the_torch_walk_it_replaced():
+    """The mask built in Python equals the torch walk it replaced (tests/verify/tree_reference.py), on random
+    trees from a lone root to 33 nodes."""
+    from tests.verify.tree_reference import random_tree, torch_attention_mask
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 12, 33):
+        for _ in range(20):
+            tree = random_tree(gen, n)
+            mask = tree.attention_mask()
+            assert mask.dtype == torch.bool and torch.equal(mask, torch_attention_mask(tree))
+
+
 def test_mask_is_ancestor_relation_and_positions():
     gen = torch.Generator().manual_seed(0)
     b = TreeBuilder(3, topk=3, num_steps=4, num_draft_tokens=12)

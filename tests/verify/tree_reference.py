@@ -116,3 +116,35 @@ class TorchTreeBuilder:
             rows = torch.cat(self._proposals)
             proposal = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])[keep]
         return DraftTree(self._tokens[keep], parents, self._depth[keep], self._cum[keep], proposal)
+
+
+def torch_attention_mask(tree: DraftTree) -> torch.Tensor:
+    """DraftTree.attention_mask as it was in torch (one masked write per depth level): its reference."""
+    n = tree.num_nodes
+    rows = torch.arange(n)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[rows, rows] = True
+    ancestor = tree.parents.clone()
+    for _ in range(tree.max_depth):
+        has = ancestor >= 0
+        mask[rows[has], ancestor[has]] = True
+        ancestor = torch.where(has, tree.parents[ancestor.clamp(min=0)], ancestor)
+    return mask
+
+
+def random_tree(gen: torch.Generator, n: int, vocab: int = 4, root: int = 0) -> DraftTree:
+    """A tree of n nodes (parents first), siblings' tokens distinct (as a drafter's top-k) but small, so that two
+    trees share paths, and path probabilities on a coarse grid so that ties occur; a child never outscores its
+    parent."""
+    parents, depth, prob, tokens = [-1], [0], [1.0], [root]
+    children: dict[int, int] = {}
+    for i in range(1, n):
+        p = int(torch.randint(0, i, (1,), generator=gen))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        prob.append(prob[p] * int(torch.randint(1, 4, (1,), generator=gen)) / 3)  # 1/3, 2/3: rounded in float32
+        if p not in children:
+            children[p] = int(torch.randint(0, vocab, (1,), generator=gen))
+        tokens.append(children[p])
+        children[p] += 1
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), torch.tensor(prob).log())

@@ -23,6 +23,22 @@ from specpd.verify.tree import DraftTree
 
 def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
     """Union of trees with one root (same root token), pruned to `budget` nodes by estimated acceptance."""
+    tokens, parents, depth, miss = union_trie(trees)
+    # the ranking in Python on float32 scores (a round's merge was ~20 torch ops on a dozen nodes)
+    score = [float(numpy.float32(1.0 - x)) for x in miss]
+    score[0] = 2.0  # the root is always kept
+    # a child never outscores its parent; ties keep creation order (sorted is stable), which lists parents first
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: -score[i])[:budget])
+    new_id = {old: new for new, old in enumerate(keep)}
+    return DraftTree(torch.tensor([tokens[i] for i in keep]),
+                     torch.tensor([-1 if parents[i] < 0 else new_id[parents[i]] for i in keep]),
+                     torch.tensor([depth[i] for i in keep]),
+                     torch.tensor([min(score[i], 1.0) for i in keep]).clamp(min=1e-12).log())
+
+
+def union_trie(trees: list[DraftTree]) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The trees' union over token paths, nodes in creation order (parents first): tokens, parents, depths, and
+    each node's miss, the product over the trees holding it of (1 - its path probability there)."""
     root = int(trees[0].tokens[0])
     keys: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     tokens, parents, depth, miss = [root], [-1], [0], [1.0]  # miss: prod over sources of (1 - p)
@@ -44,16 +60,7 @@ def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
                 miss.append(1.0)
             miss[m] *= 1.0 - min(max(probs[node], 0.0), 1.0)
             mapped.append(m)
-    # the ranking in Python on float32 scores (a round's merge was ~20 torch ops on a dozen nodes)
-    score = [float(numpy.float32(1.0 - x)) for x in miss]
-    score[0] = 2.0  # the root is always kept
-    # a child never outscores its parent; ties keep creation order (sorted is stable), which lists parents first
-    keep = sorted(sorted(range(len(tokens)), key=lambda i: -score[i])[:budget])
-    new_id = {old: new for new, old in enumerate(keep)}
-    return DraftTree(torch.tensor([tokens[i] for i in keep]),
-                     torch.tensor([-1 if parents[i] < 0 else new_id[parents[i]] for i in keep]),
-                     torch.tensor([depth[i] for i in keep]),
-                     torch.tensor([min(score[i], 1.0) for i in keep]).clamp(min=1e-12).log())
+    return tokens, parents, depth, miss
 
 
 class HybridProposer(Proposer):

@@ -7,7 +7,7 @@ import torch
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import Request, SamplingParams
-from specpd.draft.hybrid import merge_trees
+from specpd.draft.hybrid import merge_trees, union_trie
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.draft.ngram import NgramProposer, NgramStore, SuffixCounts
 from specpd.engine.llm_engine import LLMEngine
@@ -115,23 +115,8 @@ def test_merge_trees_unions_paths_and_keeps_the_likeliest():
 
 
 def torch_merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
-    """merge_trees as it was, ranking with torch ops: its reference."""
-    root = int(trees[0].tokens[0])
-    keys, tokens, parents, depth, miss = {}, [root], [-1], [0], [1.0]
-    for tree in trees:
-        mapped, probs = [0], tree.cum_logprob.exp().tolist()
-        for node, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
-            if node == 0:
-                continue
-            m = keys.get((mapped[par], tok))
-            if m is None:
-                m = keys[(mapped[par], tok)] = len(tokens)
-                tokens.append(tok)
-                parents.append(mapped[par])
-                depth.append(depth[mapped[par]] + 1)
-                miss.append(1.0)
-            miss[m] *= 1.0 - min(max(probs[node], 0.0), 1.0)
-            mapped.append(m)
+    """merge_trees as it was, ranking with torch ops: its reference (the union itself is the same code)."""
+    tokens, parents, depth, miss = union_trie(trees)
     score = torch.tensor([1.0 - x for x in miss])
     score[0] = 2.0
     keep = torch.sort(score, descending=True, stable=True).indices[:budget].sort().values

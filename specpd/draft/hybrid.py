@@ -31,7 +31,7 @@ def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
     keep = sorted(sorted(range(len(tokens)), key=lambda i: -score[i])[:budget])
     new_id = {old: new for new, old in enumerate(keep)}
     return DraftTree(torch.tensor([tokens[i] for i in keep]),
-                     torch.tensor([-1 if parents[i] < 0 else new_id[parents[i]] for i in keep]),
+                     torch.tensor([new_id.get(parents[i], -1) for i in keep]),  # as the torch version's lookup
                      torch.tensor([depth[i] for i in keep]),
                      torch.tensor([min(score[i], 1.0) for i in keep]).clamp(min=1e-12).log())
 

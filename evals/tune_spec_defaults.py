@@ -46,7 +46,7 @@ def spec_config(alg: str, s: int, k: int, t: int, min_match: int = 2) -> SpecCon
 
 
 def shape_name(shape: tuple[int, ...]) -> str:
-    """S6_K2_T12; with a min match other than 2 (SpecConfig's default), S6_K2_T12_M1."""
+    """S6_K2_T12; with a min match other than 2 (spec_config's default here), S6_K2_T12_M1."""
     name = "S{}_K{}_T{}".format(*shape[:3])
     return name if len(shape) < 4 or shape[3] == 2 else f"{name}_M{shape[3]}"
 

@@ -18,7 +18,7 @@ from specpd.core import Request
 from specpd.draft.eagle_proposer import EagleProposer
 from specpd.draft.ngram import NgramProposer
 from specpd.draft.proposer import DraftExtend, Proposer
-from specpd.verify.tree import DraftTree
+from specpd.verify.tree import DraftTree, best_ids
 
 
 def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
@@ -27,8 +27,7 @@ def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
     # the ranking in Python on float32 scores (a round's merge was ~20 torch ops on a dozen nodes)
     score = [float(numpy.float32(1.0 - x)) for x in miss]
     score[0] = 2.0  # the root is always kept
-    # a child never outscores its parent; ties keep creation order (sorted is stable), which lists parents first
-    keep = sorted(sorted(range(len(tokens)), key=lambda i: -score[i])[:budget])
+    keep = best_ids(score, range(len(tokens)), budget)  # a child never outscores its parent, which comes first
     new_id = {old: new for new, old in enumerate(keep)}
     return DraftTree(torch.tensor([tokens[i] for i in keep]),
                      torch.tensor([new_id.get(parents[i], -1) for i in keep]),  # as the torch version's lookup

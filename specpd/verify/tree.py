@@ -130,6 +130,13 @@ def kv_moves(accepted_nodes: list[int]) -> list[tuple[int, int]]:
     return [(node, k + 1) for k, node in enumerate(accepted_nodes) if node != k + 1]
 
 
+def best_ids(score: list[float], ids: range, n: int) -> list[int]:
+    """The best `n` of `ids` (ascending) by (score desc, id asc), in ascending order: how draft trees are pruned
+    (TreeBuilder's frontiers and trees, the hybrid's merged trie). Scores never rise from parent to child and a
+    parent has the smaller id, so the kept set is ancestor-closed."""
+    return sorted(sorted(ids, key=lambda i: -score[i])[:n])
+
+
 class TreeBuilder:
     """EAGLE-2 tree growth for one request (SGLang's select_top_k_tokens + organize_draft_results).
 
@@ -185,8 +192,7 @@ class TreeBuilder:
 
     def _best(self, ids: range, n: int) -> list[int]:
         """The best `n` of `ids` by (cum_logprob desc, id asc), ascending: the one ranking frontiers and trees use."""
-        cum = self._cum
-        return sorted(sorted(ids, key=lambda i: -cum[i])[:n])
+        return best_ids(self._cum, ids, n)
 
     def frontier_ids(self) -> list[int]:
         """Pool ids to expand this step, ascending: the root at step 0, later the best `topk` of the last step's

@@ -27,7 +27,7 @@ from specpd.grammar.matcher import mask_after
 from specpd.kernels.cpu_linear import pack_linears, weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import OutputRows
-from specpd.verify.tree import DraftTree, TreeBuilder, root_only
+from specpd.verify.tree import DraftTree, TreeBuilder, draft_logp, root_only
 
 
 class EagleProposer(Proposer):
@@ -124,8 +124,9 @@ class EagleProposer(Proposer):
         ends = [i for i, ex in enumerate(extends) if ex.at_end]
         if ends:
             top_ids, top_probs = self._topk(out[ends], step=0)
+            ids, probs, logp, rows = top_ids.tolist(), top_probs.tolist(), draft_logp(top_probs), out.unbind(0)
             for j, i in enumerate(ends):
-                extends[i].request.spec_state = DraftState(top_ids[j].tolist(), top_probs[j].tolist(), out[i])
+                extends[i].request.spec_state = DraftState(ids[j], probs[j], rows[i], logp[j])
 
     def propose(self, requests: list[Request], starts: list[int], plans=None) -> list[DraftTree]:
         """plans: (num_steps, num_draft_tokens) per request (adaptive speculation; 0 steps = root only)."""
@@ -140,11 +141,12 @@ class EagleProposer(Proposer):
         for i in active:
             state: DraftState = requests[i].spec_state
             b = TreeBuilder(requests[i].all_token_ids[-1], k, plans[i][0], plans[i][1])
-            topk_ids, topk_probs = [state.topk_ids], torch.tensor([state.topk_probs])
             if requests[i].grammar is not None:  # the extend's top-k was unmasked: redo it from its hidden
                 bias = self._grammar_bias(requests, None, [i], {i: [0]})
-                topk_ids, topk_probs = (t.cpu() for t in self._topk(state.hidden.unsqueeze(0), 0, bias))
-            new = b.expand_ids(topk_ids, topk_probs)
+                top_ids, top_probs = self._topk(state.hidden.unsqueeze(0), 0, bias)
+                new = b.expand_logp(top_ids.tolist(), draft_logp(top_probs))
+            else:
+                new = b.expand_logp([state.topk_ids], [state.logp()])
             builders[i] = b
             pred_hidden[i] = dict.fromkeys(new, state.hidden)  # node -> draft hidden that predicted it
             slots[i] = {}  # node -> scratch slot offset from the root's position
@@ -169,10 +171,11 @@ class EagleProposer(Proposer):
                             [requests[i].pages for i in level], step=s, tree_masks=masks or None)
             bias = self._grammar_bias(requests, builders, level, frontiers)
             top_ids, top_probs = self._topk(out, step=s, bias=bias)
+            ids, logp = top_ids.tolist(), draft_logp(top_probs)  # the level's at once, each request its rows
             row, out_rows = 0, out.unbind(0)  # one op for every row's view (indexing made one per row)
             for i in level:
                 fr, ph = frontiers[i], pred_hidden[i]
-                new = builders[i].expand_ids(top_ids[row:row + len(fr)], top_probs[row:row + len(fr)])
+                new = builders[i].expand_logp(ids[row:row + len(fr)], logp[row:row + len(fr)])
                 for j in range(len(fr)):
                     for child in new[j * k:(j + 1) * k]:
                         ph[child] = out_rows[row + j]

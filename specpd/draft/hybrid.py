@@ -29,24 +29,24 @@ def merge_trees(trees: list[DraftTree], budget: int) -> DraftTree:
     score[0] = 2.0  # the root is always kept
     keep = best_ids(score, range(len(tokens)), budget)  # a child never outscores its parent, which comes first
     new_id = {old: new for new, old in enumerate(keep)}
-    return DraftTree(torch.tensor([tokens[i] for i in keep]),
-                     torch.tensor([new_id.get(parents[i], -1) for i in keep]),  # as the torch version's lookup
-                     torch.tensor([depth[i] for i in keep]),
+    return DraftTree([tokens[i] for i in keep],
+                     [new_id.get(parents[i], -1) for i in keep],  # as the torch version's lookup
+                     [depth[i] for i in keep],
                      torch.tensor([min(score[i], 1.0) for i in keep]).clamp(min=1e-12).log())
 
 
 def union_trie(trees: list[DraftTree]) -> tuple[list[int], list[int], list[int], list[float]]:
     """The trees' union over token paths, nodes in creation order (parents first): tokens, parents, depths, and
     each node's miss, the product over the trees holding it of (1 - its path probability there)."""
-    root = int(trees[0].tokens[0])
+    root = trees[0].token_list[0]
     keys: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     tokens, parents, depth, miss = [root], [-1], [0], [1.0]  # miss: prod over sources of (1 - p)
     for tree in trees:
-        if int(tree.tokens[0]) != root:
-            raise ValueError(f"merge_trees: roots differ ({int(tree.tokens[0])} vs {root})")
+        if tree.token_list[0] != root:
+            raise ValueError(f"merge_trees: roots differ ({tree.token_list[0]} vs {root})")
         mapped = [0]
-        probs = tree.cum_logprob.exp().tolist()
-        for node, (tok, par) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+        probs = tree.cum_logprob.exp().tolist()  # float32 exp, as the torch version's
+        for node, (tok, par) in enumerate(zip(tree.token_list, tree.parent_list)):
             if node == 0:
                 continue
             key = (mapped[par], tok)

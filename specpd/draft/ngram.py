@@ -205,5 +205,4 @@ class NgramProposer(Proposer):
             scores.append(-neg)
             paths.append(paths[parent] + [token])
             push_children(len(node_tokens) - 1)
-        return DraftTree(torch.tensor(node_tokens), torch.tensor(parents), torch.tensor(depths),
-                         torch.log(torch.tensor(scores)))
+        return DraftTree(node_tokens, parents, depths, torch.log(torch.tensor(scores)))

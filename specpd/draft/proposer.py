@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specpd.core import Request
+from specpd.verify.tree import draft_logp
 
 
 @dataclass
@@ -24,6 +25,13 @@ class DraftState:
     topk_ids: list[int]  # [K] target-vocab ids proposed for the token after the last committed one
     topk_probs: list[float]  # [K] their draft probabilities
     hidden: torch.Tensor | None  # [H] draft hidden at the last extended position (None for replay)
+    topk_logp: list[float] | None = None  # [K] their scores, draft_logp(topk_probs), where the extend made them
+
+    def logp(self) -> list[float]:
+        """The top-k's scores as a draft tree adds them up (verify.tree.draft_logp)."""
+        if self.topk_logp is None:
+            self.topk_logp = draft_logp(torch.tensor([self.topk_probs]))[0]
+        return self.topk_logp
 
 
 @dataclass

@@ -101,10 +101,10 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         for it in items:
             if it.spec_decode:
                 tree = trees[id(it)]
-                ids.extend(tree.tokens.tolist())
-                positions.extend(it.start + d for d in tree.depth.tolist())
-                q_lens.append(len(tree.tokens))
-                chain = tree.parents.tolist() == list(range(-1, len(tree.tokens) - 1))
+                ids.extend(tree.token_list)
+                positions.extend(it.start + d for d in tree.depth_list)
+                q_lens.append(tree.num_nodes)
+                chain = tree.parent_list == list(range(-1, tree.num_nodes - 1))
                 masks.append(None if chain else tree.attention_mask())  # a chain is plain causal
             else:
                 ids.extend(it.request.all_token_ids[it.start:it.start + it.num_tokens])

@@ -75,7 +75,7 @@ class TreeVerifier:
         req = it.request
         runner = self.runner
         nodes = [0] + path
-        tokens = [int(tree.tokens[n]) for n in path] + [bonus]
+        tokens = [tree.token_list[n] for n in path] + [bonus]
         moves = path_slot_moves(req.pages, it.start, nodes, runner.kv_pool.page_size)
         if moves[0]:  # a tree path off the first branch: move its KV next to the root (on every TP rank)
             runner.compact_kv(moves)
@@ -91,7 +91,7 @@ class TreeVerifier:
 def top_path_length(tree, path: list[int]) -> int:
     """How many leading nodes of the accepted `path` were each their parent's top-ranked child (the highest
     draft log-prob among its siblings): what a round drafting only the top path would have accepted."""
-    parents, cum = tree.parents.tolist(), tree.cum_logprob.tolist()
+    parents, cum = tree.parent_list, tree.cum_list
     best: dict[int, int] = {}
     for node in range(1, len(parents)):
         p = parents[node]
@@ -106,8 +106,8 @@ def top_path_length(tree, path: list[int]) -> int:
 def tree_path_tokens(tree, node: int) -> list[int]:
     """Draft tokens on the path root -> node, root excluded (the output so far at that node)."""
     toks = []
-    parents = tree.parents.tolist()
+    parents, tokens = tree.parent_list, tree.token_list
     while node > 0:
-        toks.append(int(tree.tokens[node]))
+        toks.append(tokens[node])
         node = parents[node]
     return toks[::-1]

@@ -16,10 +16,10 @@ def verify_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[in
     the target's argmax there. Returns (accepted node ids root excluded, bonus token = the argmax at
     the last accepted node, or at the root if none was accepted).
     """
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     argmax = target_argmax.tolist()
     children: list[list[int]] = [[] for _ in tokens]
-    for node, parent in enumerate(tree.parents.tolist()):
+    for node, parent in enumerate(tree.parent_list):
         if parent >= 0:
             children[parent].append(node)
     node, accepted = 0, []

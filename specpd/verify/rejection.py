@@ -59,7 +59,7 @@ class VerifyResult:
 
     @classmethod
     def from_path(cls, tree: DraftTree, accepted_nodes: list[int], bonus_token: int) -> "VerifyResult":
-        tokens = tree.tokens.tolist()
+        tokens = tree.token_list
         return cls(list(accepted_nodes), [tokens[n] for n in accepted_nodes], int(bonus_token),
                    [d < len(accepted_nodes) for d in range(tree.max_depth)])
 

@@ -21,25 +21,64 @@ import numpy
 import torch
 
 
-@dataclass
 class DraftTree:
-    """One request's proposal tree; node order has parents before children (parents[i] < i)."""
+    """One request's proposal tree; node order has parents before children (parents[i] < i).
 
-    tokens: torch.Tensor  # [T] long; node 0 is the root (the last committed token)
-    parents: torch.Tensor  # [T] long; -1 for the root
-    depth: torch.Tensor  # [T] long; root 0
-    cum_logprob: torch.Tensor  # [T] float; draft log-prob of the path root..i, root 0
-    # [T, V]: row i is the distribution token i was sampled from, given its earlier siblings (row 0
-    # unused). None: deterministic (top-k) proposals, i.e. a one-hot proposal per candidate.
-    proposal_probs: torch.Tensor | None = None
+    Each of tokens / parents / depth / cum_logprob is given as a tensor or a list and read either way: the
+    tensor (`tokens`, ...) or the list (`token_list`, ...), each made from the other on first use and kept. A
+    round reads a tree's handful of nodes as lists (its verify inputs, the greedy walk, the hybrid's merge): a
+    tree built from lists never makes the tensors it is not asked for (four at ~10 us each, per tree per round).
+    """
 
-    def __post_init__(self) -> None:
-        n = self.tokens.shape[0]
-        for name in ("parents", "depth", "cum_logprob"):
-            if getattr(self, name).shape != (n,):
-                raise ValueError(f"DraftTree.{name} must have shape [{n}], got {tuple(getattr(self, name).shape)}")
+    _FIELDS = ("tokens", "parents", "depth", "cum_logprob")
+    _DTYPES = (torch.long, torch.long, torch.long, torch.float32)
+
+    def __init__(self, tokens: torch.Tensor | list[int], parents: torch.Tensor | list[int],
+                 depth: torch.Tensor | list[int], cum_logprob: torch.Tensor | list[float],
+                 proposal_probs: torch.Tensor | None = None, device: str | torch.device | None = None):
+        """tokens [T] (node 0 is the root, the last committed token); parents [T] (-1 for the root); depth [T]
+        (root 0); cum_logprob [T] float32, the draft log-prob of the path root..i (root 0). proposal_probs
+        [T, V]: row i is the distribution token i was sampled from, given its earlier siblings (row 0 unused);
+        None: deterministic (top-k) proposals, i.e. a one-hot proposal per candidate. `device`: the tensors made
+        from lists (default: the device of a tensor given, else the CPU)."""
+        values = (tokens, parents, depth, cum_logprob)
+        self._tensor = [v if isinstance(v, torch.Tensor) else None for v in values]
+        self._list = [None if isinstance(v, torch.Tensor) else list(v) for v in values]
+        given = next((t for t in self._tensor if t is not None), None)
+        self.device = torch.device(device) if device is not None else given.device if given is not None \
+            else torch.device("cpu")
+        self.proposal_probs = proposal_probs
+        n = len(self._list[0]) if self._list[0] is not None else tokens.shape[0]
+        for i, name in enumerate(self._FIELDS[1:], 1):
+            shape = tuple(self._tensor[i].shape) if self._tensor[i] is not None else (len(self._list[i]),)
+            if shape != (n,):
+                raise ValueError(f"DraftTree.{name} must have shape [{n}], got {shape}")
         if self.proposal_probs is not None and self.proposal_probs.shape[0] != n:
             raise ValueError(f"DraftTree.proposal_probs must have {n} rows, got {self.proposal_probs.shape[0]}")
+        self._n = n
+
+    def _as_tensor(self, i: int) -> torch.Tensor:
+        if self._tensor[i] is None:
+            self._tensor[i] = torch.tensor(self._list[i], dtype=self._DTYPES[i], device=self.device)
+        return self._tensor[i]
+
+    def _as_list(self, i: int) -> list:
+        if self._list[i] is None:
+            self._list[i] = self._tensor[i].tolist()
+        return self._list[i]
+
+    tokens = property(lambda self: self._as_tensor(0), doc="[T] long")
+    parents = property(lambda self: self._as_tensor(1), doc="[T] long; -1 for the root")
+    depth = property(lambda self: self._as_tensor(2), doc="[T] long; root 0")
+    cum_logprob = property(lambda self: self._as_tensor(3), doc="[T] float32")
+    token_list = property(lambda self: self._as_list(0), doc="`tokens` as a list (not to be changed)")
+    parent_list = property(lambda self: self._as_list(1), doc="`parents` as a list (not to be changed)")
+    depth_list = property(lambda self: self._as_list(2), doc="`depth` as a list (not to be changed)")
+    cum_list = property(lambda self: self._as_list(3), doc="`cum_logprob` as a list of float32 values")
+
+    def __repr__(self) -> str:
+        return (f"DraftTree(tokens={self.token_list}, parents={self.parent_list}, depth={self.depth_list}, "
+                f"cum_logprob={self.cum_list}, proposal_probs={self.proposal_probs is not None})")
 
     @classmethod
     def chain(cls, root_token: int, draft_tokens: list[int] | torch.Tensor,
@@ -65,15 +104,15 @@ class DraftTree:
 
     @property
     def num_nodes(self) -> int:
-        return self.tokens.shape[0]
+        return self._n
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return max(self.depth_list)
 
     def path_to(self, node: int) -> list[int]:
         """Node ids root..node."""
-        parents = self.parents.tolist()
+        parents = self.parent_list
         path = [node]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
@@ -100,17 +139,17 @@ class DraftTree:
         """[T, T] bool: node i attends to node j iff j is an ancestor of i or i itself."""
         # in Python, one tensor at the end: a tree has a handful of nodes, and a torch op per depth level cost more
         # than the whole walk
-        parents = self.parents.tolist()
+        parents = self.parent_list
         rows = []
         for i, parent in enumerate(parents):
             row = rows[parent][:] if parent >= 0 else [False] * len(parents)  # parents come before children
             row[i] = True
             rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool, device=self.tokens.device).reshape(len(parents), len(parents))
+        return torch.tensor(rows, dtype=torch.bool, device=self.device).reshape(len(parents), len(parents))
 
     def kv_mask(self, committed_len: int) -> torch.Tensor:
         """[T, committed_len + T] bool: the whole cached prefix, then the tree mask over the scratch slots."""
-        prefix = torch.ones(self.num_nodes, committed_len, dtype=torch.bool, device=self.tokens.device)
+        prefix = torch.ones(self.num_nodes, committed_len, dtype=torch.bool, device=self.device)
         return torch.cat([prefix, self.attention_mask()], dim=1)
 
     def positions(self, start: int) -> torch.Tensor:
@@ -120,8 +159,7 @@ class DraftTree:
 
 def root_only(root_token: int) -> DraftTree:
     """A tree with no proposals: its verify is a plain decode step (adaptive speculation's depth 0)."""
-    zero = torch.zeros(1, dtype=torch.long)
-    return DraftTree(torch.tensor([int(root_token)]), zero - 1, zero, torch.zeros(1))
+    return DraftTree([int(root_token)], [-1], [0], [0.0])
 
 
 def kv_moves(accepted_nodes: list[int]) -> list[tuple[int, int]]:
@@ -135,6 +173,13 @@ def best_ids(score: list[float], ids: range, n: int) -> list[int]:
     (TreeBuilder's frontiers and trees, the hybrid's merged trie). Scores never rise from parent to child and a
     parent has the smaller id, so the kept set is ancestor-closed."""
     return sorted(sorted(ids, key=lambda i: -score[i])[:n])
+
+
+def draft_logp(probs: torch.Tensor) -> list:
+    """Draft probabilities [F, K] -> the scores a tree adds up, as lists: their float32 logs, log 0 (or NaN) as
+    float32's lowest (two of them add up to -inf), never above 0 (a child never outscores its parent: pruning
+    relies on it)."""
+    return torch.log(probs.float()).nan_to_num(nan=float("-inf")).clamp(max=0.0).tolist()
 
 
 class TreeBuilder:
@@ -214,31 +259,42 @@ class TreeBuilder:
         keeping sampled candidates by their score biases them away from that distribution.
         Returns the new pool ids (F * K of them).
         """
-        frontier = self.frontier_ids()
-        f, k = len(frontier), self.topk
-        ids = topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids
-        shape = (len(ids), *{len(r) if isinstance(r, (list, tuple)) else -1 for r in ids})
-        if shape != (f, k) or tuple(topk_probs.shape) != (f, k):
-            raise ValueError(f"expand expects topk_ids/topk_probs of shape [{f}, {k}], "
-                             f"got {shape} / {tuple(topk_probs.shape)}")
+        f, k = len(self.frontier_ids()), self.topk
+        if tuple(topk_probs.shape) != (f, k):
+            raise ValueError(f"expand expects topk_probs of shape [{f}, {k}], got {tuple(topk_probs.shape)}")
         if proposal_probs is not None and k != 1:
             raise ValueError("sampled proposals need topk == 1: tree pruning by draft score is not lossless for them")
         if (proposal_probs is None) != (self._proposals is None) and self.steps_done > 0:
             raise ValueError("proposal_probs must be given at every step or at none")
-        # a child never outscores its parent (log p <= 0): finalize() relies on it
-        logp = torch.log(topk_probs.float()).nan_to_num(nan=float("-inf")).clamp(max=0.0).tolist()
+        new = self._add(topk_ids.tolist() if isinstance(topk_ids, torch.Tensor) else topk_ids, draft_logp(topk_probs))
+        if proposal_probs is not None:
+            self._proposals = (self._proposals or []) + [proposal_probs.to(self.device).reshape(f * k, -1)]
+        return new
+
+    def expand_logp(self, topk_ids: list[list[int]], logp: list[list[float]]) -> range:
+        """`expand_ids` from lists: topk_ids [F][K] and their scores `draft_logp(topk_probs)` [F][K] (a drafter
+        converts a whole level's top-k at once and hands each request its rows)."""
+        if self._proposals is not None:
+            raise ValueError("proposal_probs must be given at every step or at none")
+        return self._add(topk_ids, logp)
+
+    def _add(self, topk_ids: list[list[int]], logp: list[list[float]]) -> range:
+        frontier = self.frontier_ids()
+        f, k = len(frontier), self.topk
+        shape = (len(topk_ids), *{len(r) if isinstance(r, (list, tuple)) else -1 for r in topk_ids})
+        scores = (len(logp), *{len(r) for r in logp})
+        if shape != (f, k) or scores != (f, k):
+            raise ValueError(f"expand expects topk_ids / scores of shape [{f}, {k}], got {shape} / {scores}")
         start = len(self.token_ids)
         depth = self.steps_done + 1
         with numpy.errstate(over="ignore"):  # (log 0 is scored float32's lowest: two of them add up to -inf)
-            for node, row_ids, row_logp in zip(frontier, ids, logp):
+            for node, row_ids, row_logp in zip(frontier, topk_ids, logp):
                 base = numpy.float32(self._cum[node])
                 for token, lp in zip(row_ids, row_logp):
                     self.token_ids.append(int(token))
                     self.parent_ids.append(node)
                     self._depth.append(depth)
                     self._cum.append(float(base + numpy.float32(lp)))  # float32 addition, as the torch builder's
-        if proposal_probs is not None:
-            self._proposals = (self._proposals or []) + [proposal_probs.to(self.device).reshape(f * k, -1)]
         end = len(self.token_ids)
         self._last = (start, end)
         self.steps_done += 1
@@ -267,11 +323,8 @@ class TreeBuilder:
         if self._proposals is not None:
             rows = torch.cat(self._proposals)
             proposal = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])[torch.tensor(keep, device=rows.device)]
-        dev = self.device
-        return DraftTree(torch.tensor([self.token_ids[i] for i in keep], dtype=torch.long, device=dev),
-                         torch.tensor(parents, dtype=torch.long, device=dev),
-                         torch.tensor([self._depth[i] for i in keep], dtype=torch.long, device=dev),
-                         torch.tensor([cum[i] for i in keep], dtype=torch.float32, device=dev), proposal)
+        return DraftTree([self.token_ids[i] for i in keep], parents, [self._depth[i] for i in keep],
+                         [cum[i] for i in keep], proposal, device=self.device)
 
 
 @dataclass

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from specpd.verify.tree import DraftTree, TreeBuilder, build_verify_inputs, kv_moves
+from specpd.verify.tree import DraftTree, TreeBuilder, build_verify_inputs, draft_logp, kv_moves
 
 
 def grow(builder: TreeBuilder, probs_for) -> DraftTree:
@@ -162,7 +162,11 @@ def test_the_list_builder_grows_the_torch_builders_trees(topk, num_steps, num_dr
             else:
                 probs = torch.randn(shape[0], 64, generator=gen).softmax(-1).topk(topk, dim=-1).values
             proposal = torch.rand(*shape, 8, generator=gen) if sampled else None
-            got = fast.expand(ids, probs, proposal) if trial % 2 else fast.expand_ids(ids.tolist(), probs, proposal)
+            if trial % 4 == 2:  # what the EAGLE drafter calls: a level's scores converted once, as lists
+                got = fast.expand_logp(ids.tolist(), draft_logp(probs))
+            else:
+                got = fast.expand(ids, probs, proposal) if trial % 2 else fast.expand_ids(ids.tolist(), probs,
+                                                                                         proposal)
             want = ref.expand(ids, probs, proposal)
             assert list(got) == want.tolist()
         assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.parents, ref.parents)
@@ -171,6 +175,28 @@ def test_the_list_builder_grows_the_torch_builders_trees(topk, num_steps, num_dr
         for name in ("tokens", "parents", "depth", "cum_logprob"):
             x, y = getattr(a, name), getattr(b, name)
             assert x.dtype == y.dtype and torch.equal(x, y), (name, x, y)
+        assert (a.token_list, a.parent_list, a.depth_list, a.cum_list) == \
+            (b.tokens.tolist(), b.parents.tolist(), b.depth.tolist(), b.cum_logprob.tolist())
         assert (a.proposal_probs is None) == (b.proposal_probs is None)
         if a.proposal_probs is not None:
             assert torch.equal(a.proposal_probs, b.proposal_probs)
+
+
+def test_a_tree_reads_as_tensors_or_lists_whichever_it_was_given():
+    """DraftTree from lists makes each tensor on first use (long / float32, on its device) and from tensors each
+    list; either way both views agree, a mixed tree too, and a field of the wrong length is refused."""
+    lists = ([5, 6, 7, 8], [-1, 0, 0, 1], [0, 1, 1, 2], [0.0, -0.5, -1.25, -0.75])
+    tensors = (torch.tensor(lists[0]), torch.tensor(lists[1]), torch.tensor(lists[2]), torch.tensor(lists[3]))
+    for given in (lists, tensors, (lists[0], tensors[1], lists[2], tensors[3])):
+        tree = DraftTree(*given)
+        assert tree.num_nodes == 4 and tree.max_depth == 2 and tree.device == torch.device("cpu")
+        assert (tree.token_list, tree.parent_list, tree.depth_list, tree.cum_list) == lists
+        for name, want in zip(("tokens", "parents", "depth", "cum_logprob"), tensors):
+            got = getattr(tree, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert tree.tokens is tree.tokens  # made once
+        assert torch.equal(tree.attention_mask(), DraftTree(*tensors).attention_mask())
+    with pytest.raises(ValueError, match=r"parents must have shape \[4\], got \(3,\)"):
+        DraftTree(lists[0], [-1, 0, 0], lists[2], lists[3])
+    with pytest.raises(ValueError, match=r"depth must have shape \[4\]"):
+        DraftTree(tensors[0], tensors[1], torch.zeros(5, dtype=torch.long), lists[3])

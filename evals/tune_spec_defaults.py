@@ -32,7 +32,8 @@ SHAPES = {  # (steps, topk, tokens[, n-gram min match])
     "mtp": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (3, 2, 6), (2, 4, 5), (3, 4, 8)],
     "ngram": [(4, 1, 5), (8, 1, 9), (12, 1, 13), (6, 2, 12), (8, 3, 16), (6, 2, 12, 1), (8, 1, 9, 1), (10, 1, 11, 1),
               (8, 3, 16, 1)],
-    "hybrid": [(3, 2, 6), (2, 4, 5), (3, 4, 6), (3, 4, 8), (4, 4, 10)],
+    "hybrid": [(2, 1, 3), (3, 1, 4), (2, 2, 3), (2, 3, 4), (2, 4, 4), (2, 4, 5), (2, 4, 6), (3, 2, 5), (3, 2, 6),
+               (3, 4, 6), (3, 4, 8), (4, 4, 10)],
 }
 WORKLOAD = {"eagle3": "chat", "mtp": "chat", "ngram": "grounded", "hybrid": "chat"}
 
@@ -51,6 +52,23 @@ def shape_name(shape: tuple[int, ...]) -> str:
     return name if len(shape) < 4 or shape[3] == 2 else f"{name}_M{shape[3]}"
 
 
+def candidates(alg: str, names: str | None) -> list[tuple[int, ...]]:
+    """SHAPES[alg], or the shapes `names` (comma-separated shape_name strings) gives."""
+    if names is None:
+        return SHAPES[alg]
+    shapes = []
+    for name in names.split(","):
+        parts = name.strip().split("_")
+        try:
+            shape = tuple(int(p[1:]) for p in parts)
+        except ValueError:
+            shape = ()
+        if len(shape) not in (3, 4) or [p[0] for p in parts] != ["S", "K", "T", "M"][:len(shape)]:
+            raise SystemExit(f"--shapes: {name!r} is not a shape name like S2_K4_T5 or S8_K1_T9_M1")
+        shapes.append(shape)
+    return shapes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--algorithms", nargs="+", default=["eagle3", "ngram"])
@@ -58,6 +76,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: what specpd serve takes here)")
+    ap.add_argument("--shapes", default=None, help="only these candidates, e.g. S2_K4_T5,S2_K4_T6 (a run over one "
+                    "algorithm: a second look at the best few with more prompts)")
     ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "spec_tuning.json"))
     args = ap.parse_args()
     from specpd.machine import default_threads
@@ -77,7 +97,7 @@ def main() -> None:
         # would find its own last reply there (a hybrid rep over repeated prompts read 2.1x against 1.2-1.4x)
         prompts = WORKLOADS[WORKLOAD[alg]](ckpt.tokenizer, args.num_prompts * args.reps, "train")
         engines = {"non_spec": LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=512)), checkpoint=ckpt)}
-        for shape in SHAPES[alg]:
+        for shape in candidates(alg, args.shapes):
             spec = spec_config(alg, *shape)
             engines[shape_name(shape)] = LLMEngine(EngineConfig(model="default", spec=spec,
                                                                 cache=CacheConfig(num_pages=512)), checkpoint=ckpt)

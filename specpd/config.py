@@ -103,12 +103,13 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # (evals/tune_spec_defaults.py on training-split prompts: EAGLE-3 (the 1.4M-token head) and MTP ->
 # evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
 # chain of 4)
-# "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape): S=2 K=4 T=5,
-# tuned at the served thread count on 24 training chat prompts (spec_tuning.json's "hybrid": 1.36x non-spec
-# against 1.06x for the S=3 K=2 T=6 it had kept since the adaptive policy speculated at batch 8, where S=2 K=4
-# T=5 then lost 7%; at batch 8 neither speculates now: 0.977x / 0.973x plain in-process)
+# "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape): S=2 K=4 T=6,
+# tuned at the served thread count on 32 training chat prompt runs (spec_tuning.json's "hybrid", AMD EPYC: 1.29x
+# non-spec, S=2 K=4 T=4 1.27x, S=3 K=4 T=8 1.26x, the S=2 K=4 T=5 it had before 1.16x; T=6 led T=5 in three
+# earlier runs of 8-24 prompts too, by 4-14%). T=5 had replaced the S=3 K=2 T=6 it had kept since the adaptive
+# policy speculated at batch 8 (1.36x against 1.06x then); at batch 8 neither speculated (0.977x / 0.973x plain)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
-                  "hybrid": (2, 4, 5), "replay": (4, 1, 5)}
+                  "hybrid": (2, 4, 6), "replay": (4, 1, 5)}
 # n-gram drafting alone on a CPU without AMX, where each verify row costs compute (AVX512-BF16 / AVX2: a b1 forward
 # streams the weights, 8 rows multiply them; evals/results/profile_spec_round.json): a chain of 8 at min match 1.
 # spec_tuning.json's "ngram" (AMD EPYC, 16 training grounded prompts): S8_K1_T9_M1 3.54x non-spec, S8_K1_T9 3.34x,

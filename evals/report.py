@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from evals.report_tables import (acceptance, attention, gemm_kernel, gpu, hf_generate, offline, pd, pd_ttft, peers,
-                                 peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, soak,
+from evals.report_tables import (acceptance, attention, gemm_kernel, gpu, hf_generate, offline, overlap, pd, pd_ttft,
+                                 peers, peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, soak,
                                  spec_workloads, structured, tp, tp_matrix)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +132,8 @@ RESULTS = [
            "and the adaptive policy against every round at the full tree", profile_spec_round),
     Result("profile_depth0.json", "profile_depth0.py", "where a spec engine's step goes when it does not "
            "speculate", profile_depth0),
+    Result("overlap.json", "probe_overlap.py", "host work beside the forward against the same work after it: would "
+           "an overlap scheduler pay here", overlap),
     Result("soak.json", "soak.py", "30 minutes of mixed load through the supervised cluster", soak),
     Result("gpu.json", "bench_gpu.py", "the engine on one H200 (random weights, SmolLM2's shape)", gpu),
 ]

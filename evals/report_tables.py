@@ -214,6 +214,13 @@ def profile_depth0(d: dict) -> str:
                    "share of rounds at depth 0"], rows)
 
 
+def overlap(d: dict) -> str:
+    rows = [[work, _f(c["step_ms"]["none"], 2), _f(c["step_ms"]["serial"], 2), _f(c["step_ms"]["overlap"], 2),
+             _f(c["hidden_share"], 2)] for work, c in d["cases"].items()]
+    return _table(["host work a step", "step ms, none", "after the step", "beside the next step",
+                   "share of the work hidden"], rows)
+
+
 def soak(d: dict) -> str:
     s = d["summary"]
     kinds = ", ".join(f"{k} {v}" for k, v in s["by_kind"].items())

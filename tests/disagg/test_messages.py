@@ -204,7 +204,7 @@ def test_draft_on_both_pairs_only_the_same_tree_shape():
     alone drafts)."""
     from types import SimpleNamespace
 
-    from specpd.config import EngineConfig, SpecConfig
+    from specpd.config import DEFAULT_SHAPES, EngineConfig, SpecConfig
     from specpd.disagg.worker import peer_config
 
     def side(mode, **spec):
@@ -213,7 +213,8 @@ def test_draft_on_both_pairs_only_the_same_tree_shape():
         return peer_config(SimpleNamespace(config=cfg, model_config=SimpleNamespace(num_kv_heads=3)), "tcp")
 
     check_compatible(side("both"), side("both"))
-    assert side("both").draft_shape == "2,4,5"  # the hybrid's default shape
-    with pytest.raises(ConfigMismatch, match=r"draft_shape: prefill='2,4,5' decode='3,4,8'"):
+    default = ",".join(map(str, DEFAULT_SHAPES["hybrid"]))
+    assert side("both").draft_shape == default  # the hybrid's default shape
+    with pytest.raises(ConfigMismatch, match=rf"draft_shape: prefill='{default}' decode='3,4,8'"):
         check_compatible(side("both"), side("both", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))
     check_compatible(side("decode-only"), side("decode-only", spec_num_steps=3, spec_topk=4, spec_num_draft_tokens=8))

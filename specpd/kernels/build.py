@@ -80,15 +80,17 @@ def load(filename: str) -> ctypes.CDLL | None:
 
 def switch_paths(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Switch a kernel library's bf16 paths as this process wants them (one choice per process, whichever library
-    computes): `lib.amx` (the GEMM on AMX tiles) and `lib.attention_amx` say which are used."""
+    computes): `lib.amx` (the GEMM on AMX tiles), `lib.attention_amx` (bf16 attention on AMX tiles) and
+    `lib.attention_dp` (bf16 attention on vdpbf16ps pair dots) say which are used."""
     lib.amx = _switch(lib, "specpd_gemm_bf16_use_amx", gemm_amx_wanted())
     lib.attention_amx = _switch(lib, "specpd_attention_use_amx", attention_amx_wanted())
+    lib.attention_dp = _switch(lib, "specpd_attention_use_dp", attention_dp_wanted())
     return lib
 
 
 def _switch(lib: ctypes.CDLL, setter: str, wanted: bool) -> bool:
-    """Switch one of a library's AMX paths (where it has one): whether it is used, False where Linux refused the
-    tile state."""
+    """Switch one of a library's bf16 paths (where it has one): whether it is used, False where Linux refused the
+    AMX tile state."""
     fn = getattr(lib, setter, None)
     if fn is None:
         return False
@@ -108,3 +110,10 @@ def attention_amx_wanted() -> bool:
     scores and P.V on AMX tiles where the CPU has them, unless SPECPD_ATTENTION_AMX=0: one choice per process, so
     a decode step and a verify row round alike whichever library attends."""
     return os.environ.get("SPECPD_ATTENTION_AMX", "1") != "0" and isa() == "amx"
+
+
+def attention_dp_wanted() -> bool:
+    """Every library holding the CPU attention attends a bf16 pool on vdpbf16ps pair dot products where the CPU has
+    AVX512-BF16 but no AMX, unless SPECPD_ATTENTION_DP=0 (the fp32 vector path then): the AMX path's rounding (Q and
+    P in bf16, sums in fp32) at half the vector path's multiply-adds. One choice per process (attention_amx_wanted)."""
+    return os.environ.get("SPECPD_ATTENTION_DP", "1") != "0" and isa() == "avx512_bf16"

@@ -11,7 +11,8 @@ fp32, K is rounded to the pool's dtype as it is stored, scores and the softmax r
 rounded once to the query's dtype. On a CPU with AMX a bf16 pool is attended on tiles
 (build.attention_amx_wanted; SPECPD_ATTENTION_AMX=0 turns it off): the rotated, scaled query and the softmax's
 probabilities are rounded to bf16 for the tile products (sums in fp32), as GPU flash attention does, for decode
-and verify rows alike. A row's result does not depend on the rows that share its call (a verify
+and verify rows alike; on one with AVX512-BF16 but no AMX the same rounding runs on vdpbf16ps pair dot products
+(build.attention_dp_wanted; SPECPD_ATTENTION_DP=0 turns it off). A row's result does not depend on the rows that share its call (a verify
 row equals the decode step over the same prefix bit for bit).
 
 `specpd.attention.reference.fused_attention_ref` is the torch reference (paged_attention_ref over the same

@@ -13,7 +13,7 @@ import torch
 
 from specpd.attention.metadata import AttentionMetadata
 from specpd.attention.reference import fused_attention_ref as attention_ref
-from specpd.kernels.build import attention_amx_wanted
+from specpd.kernels.build import attention_amx_wanted, attention_dp_wanted
 from specpd.kernels.cpu_attention import _lib, available, paged_attention
 from specpd.kv.pool import KVPool
 from specpd.machine import isa
@@ -22,19 +22,26 @@ pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the cpu 
 AMX = available() and isa() == "amx"
 
 
-@pytest.fixture(params=["vector", "amx"])
+@pytest.fixture(params=["vector", "amx", "dp"])
 def path(request):
-    """The kernel's path for a bf16 test: the AVX-512 / portable one, or AMX tiles (where the CPU has them)."""
+    """The kernel's path for a bf16 test: the AVX-512 / portable one, AMX tiles (where the CPU has them), or
+    vdpbf16ps pair dots (where it has AVX512-BF16)."""
+    if request.param != "vector" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
+        pytest.skip(f"the {request.param} path takes bf16 pools only")
     if request.param == "amx" and not AMX:
         pytest.skip("no AMX here")
-    if request.param == "amx" and request.node.callspec.params.get("dtype", torch.bfloat16) != torch.bfloat16:
-        pytest.skip("tiles take bf16 pools only")
     lib = _lib()
-    if lib.specpd_attention_use_amx(int(request.param == "amx")) != (request.param == "amx"):
+    amx_on = lib.specpd_attention_use_amx(int(request.param == "amx")) == 1
+    dp_on = lib.specpd_attention_use_dp(int(request.param == "dp")) == 1
+    try:
+        if request.param == "amx" and not amx_on:
+            pytest.skip("this build of the kernel has no AMX path (an x86-64-v3 build)")
+        if request.param == "dp" and not dp_on:
+            pytest.skip("this build of the kernel has no AVX512-BF16 path")
+        yield request.param
+    finally:
         lib.specpd_attention_use_amx(int(lib.attention_amx))
-        pytest.skip("this build of the kernel has no AMX path (an x86-64-v3 build)")
-    yield request.param
-    lib.specpd_attention_use_amx(int(lib.attention_amx))
+        lib.specpd_attention_use_dp(int(lib.attention_dp))
 
 LAYER = 1
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
@@ -178,6 +185,26 @@ def test_an_amx_cpu_attends_bf16_on_tiles_and_they_round_apart_from_the_vector_p
         assert not torch.equal(tiles, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
     finally:
         lib.specpd_attention_use_amx(1)
+
+
+@pytest.mark.skipif(not (available() and isa() == "avx512_bf16" and attention_dp_wanted()),
+                    reason="not an AVX512-BF16 CPU without AMX, or SPECPD_ATTENTION_DP=0")
+def test_an_avx512_bf16_cpu_attends_bf16_on_pair_dots_and_they_round_apart_from_the_vector_path():
+    """Without AMX, a CPU with AVX512-BF16 attends bf16 on vdpbf16ps pair dots (build.attention_dp_wanted), and the
+    switch reaches another computation: Q and P rounded to bf16 round some outputs apart from the fp32 vector path
+    (both are checked against the reference above)."""
+    lib = _lib()
+    assert lib.attention_dp and not lib.attention_amx
+    q_lens, kv_lens, hq, hkv, d, ps, tree = CASES["verify_trees"]
+    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, torch.bfloat16, tree)
+    before = pool.buffer.clone()
+    dots = run(paged_attention, pool, meta, qkv, positions, hq, hkv)
+    try:
+        lib.specpd_attention_use_dp(0)
+        pool.buffer.copy_(before)
+        assert not torch.equal(dots, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
+    finally:
+        lib.specpd_attention_use_dp(1)
 
 
 def test_bad_shapes_are_refused():

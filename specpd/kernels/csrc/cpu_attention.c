@@ -23,6 +23,9 @@
 #define ATTN_AMX 1
 #include "amx.h"
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define ATTN_DP 1
+#endif
 
 #define CH 16
 #define RB 16
@@ -227,6 +230,15 @@ CHUNK_KERNEL(chunk_avx512_d64_nv3, 64, 3)  /* GQA groups of 3 (SmolLM2's 9 / 3 h
 CHUNK_KERNEL(chunk_avx512_d128, 128, 2)
 #endif
 
+#ifdef ATTN_DP
+/* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */
+static const uint16_t PAIR_LO[32] __attribute__((aligned(64))) = {
+  0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t PAIR_HI[32] __attribute__((aligned(64))) = {
+  16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+#endif
+
 #ifdef ATTN_AMX
 /* bf16 attention on AMX tiles (specpd_attention_use_amx; build.attention_amx_wanted). Per chunk of 16 keys and
    group of 16 query vectors (a block's vectors 16g .. 16g + 15): scores S[vector][key] = Q . K over D / 32
@@ -255,12 +267,6 @@ static void attn_amx_configure(int mr) {
   amx_load_config(rows, colsb);
 }
 
-/* interleave two rows of 32 bf16: lo = dims 0..15 of a and b in pairs (a0 b0 a1 b1 ...), hi = dims 16..31 */
-static const uint16_t PAIR_LO[32] __attribute__((aligned(64))) = {
-  0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-static const uint16_t PAIR_HI[32] __attribute__((aligned(64))) = {
-  16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 #else
 int specpd_attention_use_amx(int on) {  /* built without AMX (an x86-64-v3 build, an older CPU): never */
   (void)on;
@@ -294,9 +300,9 @@ static inline void chunk_slots(const Args* a, int64_t b, int64_t h, int64_t c, i
 typedef struct {
   const Args* a;
   int64_t D, G;
-  int fast, permuted, amx;
+  int fast, permuted, amx, dp;
   float* Q;    /* [V][D] */
-  uint16_t* Qb;  /* [16 ceil(V / 16)][D]: the AMX path's bf16 queries, zero past V */
+  uint16_t* Qb;  /* [16 ceil(V / 16)][D]: the AMX path's bf16 queries, zero past V ([V][D]: the dp path's) */
   float* acc;  /* [V][D] */
   float* m;
   float* l;
@@ -392,6 +398,121 @@ static void run_chunk_amx(const Block* k, const int64_t* offs, int64_t n, const 
 }
 #endif
 
+#ifdef ATTN_DP
+/* bf16 attention on vdpbf16ps (AVX512-BF16 without AMX tiles; specpd_attention_use_dp, build.attention_dp_wanted):
+   the AMX path's rounding (the rotated, scaled Q and the softmax's P rounded to bf16, every sum in fp32) on
+   vector pair dot products, half the vector path's multiply-adds and no widening of K or V. One path per process
+   (decode and verify alike): it rounds apart from the vector path. */
+static int attn_use_dp = 0;
+
+/* Use the pair-dot path for bf16 pools when `on`; returns whether it is used. */
+int specpd_attention_use_dp(int on) {
+  attn_use_dp = on != 0;
+  return attn_use_dp;
+}
+
+/* run_chunk on vdpbf16ps (bf16 pool, D = DD, 64 or 128): see attn_use_dp. Scores: lane i of key j's partial sums
+   the dim pairs (32 b + 2 i, 32 b + 2 i + 1) over the blocks b in order (one dot per 32 dims), and the 16 lanes are
+   summed in hsum16's order; from the key rows (`KR`: few vectors, a decode row's G) or from the keys transposed by
+   dim pairs (`KT`: a verify block, a prefill chunk), the same operations either way, as the vector path's two ways
+   are. Keys past n are zero (finite scores; a masked key's P is exactly 0). Then the online softmax as the vector
+   path's (fp32, lanes = keys), P rounded to bf16, and P.V as one dot per 16 dims and pair of keys over V
+   interleaved by key pairs (the AMX path's layout). A vector's arithmetic does not depend on the vectors beside
+   it, so a verify row still equals the decode step bit for bit. */
+#define DP_KERNEL(NAME, DD)                                                                                    \
+static void NAME(const Block* k, const int64_t* offs, int64_t n, const float (*vis)[CH], const float (*keep)[CH], \
+                 int full, const int64_t* act, int64_t nact) {                                                  \
+  enum { NB = DD / 32 };                                                                                        \
+  const Args* a = k->a;                                                                                         \
+  const int64_t G = k->G;                                                                                       \
+  const uint16_t* pool = (const uint16_t*)a->pool;                                                              \
+  const uint16_t (*Qb)[DD] = (const uint16_t (*)[DD])k->Qb;                                                      \
+  float (*acc)[DD] = (float (*)[DD])k->acc;                                                                     \
+  float* m = k->m;                                                                                              \
+  float* l = k->l;                                                                                              \
+  __m512i* Kx = (__m512i*)k->KT;  /* KR: [CH][NB] key rows; KT: [NB][16] dim pairs x 16 keys */                  \
+  __m512i* Vp = (__m512i*)k->Vc;  /* [CH / 2][2 NB]: key pair p's dims 16c .. 16c + 15, interleaved by key */      \
+  const __m512i zero = _mm512_setzero_si512();                                                                  \
+  const int rows = nact <= ROW_PATH_VECTORS;                                                                    \
+  if (rows) {                                                                                                   \
+    for (int64_t j = 0; j < CH; j++)                                                                            \
+      for (int b = 0; b < NB; b++)                                                                              \
+        Kx[j * NB + b] = j < n ? _mm512_loadu_si512(pool + offs[j] + a->k_off + 32 * b) : zero;                 \
+  } else {                                                                                                      \
+    for (int b = 0; b < NB; b++) { /* 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys (the transpose moves bits) */ \
+      __m512 r[16];                                                                                             \
+      for (int64_t j = 0; j < CH; j++)                                                                          \
+        r[j] = _mm512_castsi512_ps(j < n ? _mm512_loadu_si512(pool + offs[j] + a->k_off + 32 * b) : zero);      \
+      transpose16(r);                                                                                           \
+      for (int i = 0; i < 16; i++) Kx[b * 16 + i] = _mm512_castps_si512(r[i]);                                  \
+    }                                                                                                           \
+  }                                                                                                             \
+  const __m512i lo = _mm512_load_si512(PAIR_LO), hi = _mm512_load_si512(PAIR_HI);                               \
+  const int64_t np = (n + 1) / 2;                                                                               \
+  for (int64_t p = 0; p < np; p++)                                                                              \
+    for (int b = 0; b < NB; b++) {                                                                              \
+      const __m512i x = _mm512_loadu_si512(pool + offs[2 * p] + a->v_off + 32 * b);                             \
+      const __m512i y = 2 * p + 1 < n ? _mm512_loadu_si512(pool + offs[2 * p + 1] + a->v_off + 32 * b) : zero;  \
+      Vp[p * 2 * NB + 2 * b] = _mm512_permutex2var_epi16(x, lo, y);                                             \
+      Vp[p * 2 * NB + 2 * b + 1] = _mm512_permutex2var_epi16(x, hi, y);                                         \
+    }                                                                                                           \
+  for (int64_t u = 0; u < nact; u++) {                                                                          \
+    const int64_t v = act[u], i = v / G;                                                                        \
+    __m512 sc;                                                                                                  \
+    if (rows) {                                                                                                 \
+      __m512bh qz[NB];                                                                                          \
+      __m512 t[CH];                                                                                             \
+      for (int b = 0; b < NB; b++) qz[b] = (__m512bh)_mm512_load_si512(Qb[v] + 32 * b);                          \
+      for (int j = 0; j < CH; j++) {                                                                            \
+        __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qz[0], (__m512bh)Kx[j * NB]);                          \
+        for (int b = 1; b < NB; b++) x = _mm512_dpbf16_ps(x, qz[b], (__m512bh)Kx[j * NB + b]);                  \
+        t[j] = x;                                                                                               \
+      }                                                                                                         \
+      sc = hsum16(t);                                                                                           \
+    } else { /* lane j of x[ii]: lane 4L + ii of key j's partial above; summed in hsum16's order */              \
+      const int32_t* qd = (const int32_t*)Qb[v];  /* dword 16 b + i: dims 32 b + 2 i and 32 b + 2 i + 1 */       \
+      __m512 S[4];                                                                                              \
+      for (int L = 0; L < 4; L++) {                                                                             \
+        __m512 x[4];                                                                                            \
+        for (int ii = 0; ii < 4; ii++) {                                                                        \
+          const int i2 = 4 * L + ii;                                                                            \
+          x[ii] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_set1_epi32(qd[i2]), (__m512bh)Kx[i2]);  \
+          for (int b = 1; b < NB; b++)                                                                          \
+            x[ii] = _mm512_dpbf16_ps(x[ii], (__m512bh)_mm512_set1_epi32(qd[16 * b + i2]), (__m512bh)Kx[b * 16 + i2]); \
+        }                                                                                                       \
+        S[L] = _mm512_add_ps(_mm512_add_ps(x[0], x[2]), _mm512_add_ps(x[1], x[3]));                            \
+      }                                                                                                         \
+      sc = _mm512_add_ps(_mm512_add_ps(S[0], S[2]), _mm512_add_ps(S[1], S[3]));                                 \
+    }                                                                                                           \
+    __m512 x = full ? sc : _mm512_add_ps(sc, _mm512_loadu_ps(vis[i]));                                          \
+    const float mx = _mm512_reduce_max_ps(x);                                                                   \
+    const float m_new = mx > m[v] ? mx : m[v];                                                                  \
+    x = _mm512_max_ps(_mm512_sub_ps(x, _mm512_set1_ps(m_new)), _mm512_set1_ps(-87.0f));                         \
+    const __m512 e = full ? exp16(x) : _mm512_mul_ps(exp16(x), _mm512_loadu_ps(keep[i]));                        \
+    const float alpha = exp_neg(m[v] - m_new); /* m[v] = -inf the first time: 0 */                              \
+    l[v] = l[v] * alpha + _mm512_reduce_add_ps(e);                                                              \
+    m[v] = m_new;                                                                                               \
+    int32_t pp[CH / 2] __attribute__((aligned(32)));  /* dword p: P of keys 2p (low half) and 2p + 1, in bf16 */ \
+    _mm256_store_si256((__m256i*)pp, (__m256i)_mm512_cvtneps_pbh(e));                                           \
+    __m512 o[2 * NB];                                                                                           \
+    const __m512 al = _mm512_set1_ps(alpha);                                                                    \
+    for (int c = 0; c < 2 * NB; c++) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc[v] + 16 * c), al);               \
+    for (int64_t p = 0; p < np; p++) {                                                                          \
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32(pp[p]);                                                   \
+      for (int c = 0; c < 2 * NB; c++) o[c] = _mm512_dpbf16_ps(o[c], pw, (__m512bh)Vp[p * 2 * NB + c]);         \
+    }                                                                                                           \
+    for (int c = 0; c < 2 * NB; c++) _mm512_storeu_ps(acc[v] + 16 * c, o[c]);                                   \
+  }                                                                                                             \
+}
+DP_KERNEL(run_chunk_dp64, 64)
+DP_KERNEL(run_chunk_dp128, 128)
+#else
+int specpd_attention_use_dp(int on) {  /* built without AVX512-BF16: never */
+  (void)on;
+  return 0;
+}
+#endif
+
 /* One chunk of n <= CH keys at element offsets offs[] (K half; V is at + v_off - k_off) for the active query
    vectors act[0..nact): vis / keep per block row (a 0 / -inf score offset and a 1 / 0 probability factor), or
    `full` (every key visible to every active vector, the same result as all-visible masks). */
@@ -409,6 +530,13 @@ static void run_chunk(const Block* k, const int64_t* offs, int64_t n, const floa
 #ifdef ATTN_AMX
   if (k->amx) {
     run_chunk_amx(k, offs, n, vis, keep, full, act, nact);
+    return;
+  }
+#endif
+#ifdef ATTN_DP
+  if (k->dp) {
+    if (D == 64) run_chunk_dp64(k, offs, n, vis, keep, full, act, nact);
+    else run_chunk_dp128(k, offs, n, vis, keep, full, act, nact);
     return;
   }
 #endif
@@ -509,10 +637,15 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
 #else
   const int fast = 0;
 #endif
-  const int64_t Vpad = amx ? (V + 15) / 16 * 16 : 1;
+#ifdef ATTN_DP
+  const int dp = !amx && attn_use_dp && a->dt == 1 && fast;
+#else
+  const int dp = 0;
+#endif
+  const int64_t Vpad = amx ? (V + 15) / 16 * 16 : dp ? V : 1;
   uint16_t Qb[Vpad][D] __attribute__((aligned(64)));
-  const Block k = {a, D, G, fast, fast && a->dt == 1 && !amx, amx, &Q[0][0], &Qb[0][0], &acc[0][0], m, l,
-                   &KT[0][0], &Vc[0][0]};
+  const Block k = {a, D, G, fast, fast && a->dt == 1 && !amx && !dp, amx, dp, &Q[0][0], &Qb[0][0], &acc[0][0], m,
+                   l, &KT[0][0], &Vc[0][0]};
   int64_t last = 0;  /* one past the last position any row of the block sees */
   for (int64_t i = 0; i < nr; i++) {
     int64_t row = r0 + i, t = q_start + row;
@@ -532,6 +665,11 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     int64_t end = tree ? kv_len : prefix + row + 1;
     if (end > last) last = end;
   }
+#ifdef ATTN_DP
+  if (dp)
+    for (int64_t v = 0; v < V; v++)
+      for (int64_t d = 0; d < D; d++) Qb[v][d] = f32_bf16(Q[v][d]);
+#endif
 #ifdef ATTN_AMX
   if (amx) {
     for (int64_t v = 0; v < Vpad; v++)

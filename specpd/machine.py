@@ -13,11 +13,13 @@ Every explicit flag wins over these.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import shutil
 import threading
 import time
+import weakref
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ _later: list[tuple[int, int]] = []
 _later_lock = threading.Lock()
 # the background collapse's state (huge_pages_status): none (nothing was left), off, running, done
 _collapse = {"state": "none", "left_mib": 0, "collapsed_mib": 0}
+# what the collapse waits on: each engine's `busy` check in this process (a bound method weakly, so that an engine
+# let go of is not kept; any other callable for the process's life)
+_busy_checks: list = []
 
 
 def advise_huge_pages(address: int, nbytes: int) -> int:
@@ -141,15 +146,21 @@ def collapse_huge_pages(spans: list[tuple[int, int]]) -> int:
     return done
 
 
-def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thread | None:
+def collapse_later_in_background(busy=None, duty: float = 0.5) -> threading.Thread | None:
     """Collapse onto huge pages, in a daemon thread, what start-up left on 4 KB pages (first_touch_on_huge_pages,
-    collapse_huge_pages) once the server is up, while `idle()` holds (the engine has no request: the collapse
-    never competes with one; a request arriving waits at most for one chunk's collapse, 8 MiB): one chunk at a
-    time, each followed by a pause so that the thread compacts at most `duty` of a core. A KV pool on 4 KB pages
-    cost a b32 decode step's attention ~15% (profile_step on the AMX Xeon); khugepaged alone would take ~20 min
-    for the default model's (16 MiB per 10 s). None when
+    collapse_huge_pages) once the server is up, while no engine of this process has work (`busy()` is false, and so
+    is every other busy check given here before or after: two engines in one process, as the benchmarks that run
+    specpd beside itself make them, each collapsed while the other decoded, and a third of the EAGLE engine's
+    verify forwards ran ~2x slow beside the plain engine's collapse): one chunk at a time, each followed by a pause
+    so that the thread compacts at most `duty` of a core; a request arriving waits at most for one chunk's
+    collapse, 8 MiB. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step on the AMX
+    Xeon); khugepaged alone would take ~20 min for the default model's (16 MiB per 10 s). None when
     there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
     the kernel keeps the memory's contents through a collapse."""
+    if busy is not None:
+        ref = weakref.WeakMethod(busy) if inspect.ismethod(busy) else (lambda: busy)
+        with _later_lock:
+            _busy_checks[:] = [r for r in _busy_checks if r() is not None] + [ref]
     with _later_lock:
         spans, _later[:] = list(_later), []
     if not spans:
@@ -166,7 +177,7 @@ def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thre
         done = 0
         for start, end in spans:
             for pos in range(start, end, chunk):
-                while idle is not None and not idle():
+                while _any_busy():
                     time.sleep(0.25)
                 n = min(chunk, end - pos)
                 seconds = _collapse_timed(pos, n)
@@ -179,6 +190,13 @@ def collapse_later_in_background(idle=None, duty: float = 0.5) -> threading.Thre
     thread = threading.Thread(target=run, name="specpd-huge-pages", daemon=True)
     thread.start()
     return thread
+
+
+def _any_busy() -> bool:
+    """Some engine of this process has work (collapse_later_in_background)."""
+    with _later_lock:
+        checks = [r() for r in _busy_checks]
+    return any(fn is not None and fn() for fn in checks)
 
 
 def huge_pages_status() -> dict:

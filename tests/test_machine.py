@@ -226,7 +226,7 @@ def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(
     assert before <= 2 * HUGE_PAGE // 1024
     monkeypatch.setattr(machine.time, "perf_counter", real_clock)  # the real clock for the thread's pacing
     busy = [True]
-    thread = machine.collapse_later_in_background(idle=lambda: not busy[0])
+    thread = machine.collapse_later_in_background(busy=lambda: busy[0])
     assert thread is not None
     time.sleep(1.0)
     assert _huge_kb_at(tail) == before, "collapsed while the engine was busy"
@@ -246,6 +246,35 @@ def test_what_start_up_left_on_small_pages_is_collapsed_later_in_the_background(
     assert after >= before + 5 * HUGE_PAGE // 1024, (before, after)  # the rest: 6 or 7 whole huge pages
     assert state["collapsed_mib"] >= 5 * HUGE_PAGE >> 20, state
     assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+
+
+def test_the_collapse_waits_for_every_engine_of_the_process(monkeypatch):
+    """Each engine registers its busy check, with memory left to collapse or not: the collapse waits while any of
+    them has work (two engines in one process collapsed while the other decoded), and an engine let go of is
+    not kept alive by its check."""
+    import gc
+    import specpd.machine as machine
+    monkeypatch.setattr(machine, "_busy_checks", [])
+    monkeypatch.setattr(machine, "_later", [])
+
+    class Engine:
+        def __init__(self):
+            self.work = False
+
+        def has_unfinished_requests(self):
+            return self.work
+
+    a, b = Engine(), Engine()
+    assert machine.collapse_later_in_background(busy=a.has_unfinished_requests) is None  # nothing left: registered
+    assert machine.collapse_later_in_background(busy=b.has_unfinished_requests) is None
+    assert not machine._any_busy()
+    b.work = True
+    assert machine._any_busy()
+    del b
+    gc.collect()
+    assert not machine._any_busy() and len(machine._busy_checks) == 2
+    machine.collapse_later_in_background(busy=a.has_unfinished_requests)  # the dead check pruned
+    assert len(machine._busy_checks) == 2 and machine._busy_checks[0]() is not None
 
 
 def test_the_collapse_after_start_up_reports_off_where_it_is_turned_off(monkeypatch):

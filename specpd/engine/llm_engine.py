@@ -81,7 +81,7 @@ class LLMEngine(HandoffHooks):
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
         logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
         # built and calibrated: what start-up left on 4 KB pages, collapsed while no request waits (machine.py)
-        collapse_later_in_background(idle=lambda: not self.has_unfinished_requests())
+        collapse_later_in_background(busy=self.has_unfinished_requests)
 
     # -- public API ------------------------------------------------------------------------
     @property

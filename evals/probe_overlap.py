@@ -28,7 +28,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json  # noqa: E402
+from common import held_out_sharegpt_prompts, log, machine_info, settle_huge_pages, versions, write_json  # noqa: E402
 
 from specpd.config import EngineConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
@@ -87,6 +87,7 @@ def main() -> int:
     from specpd.model.loader import load_checkpoint
     ckpt = load_checkpoint("default")
     eng = LLMEngine(EngineConfig(model="default"), checkpoint=ckpt)  # the served defaults (dtype, threads)
+    settle_huge_pages()
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.reps)
     helper = Helper()
     decode(eng, prompts[0], "none", 0.0, helper, 16)  # warm-up

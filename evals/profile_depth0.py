@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from common import log, machine_info, versions, write_json
+from common import log, machine_info, settle_huge_pages, versions, write_json
 from spec_workloads import WORKLOADS, configs, lockstep_run
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -129,6 +129,7 @@ def main() -> None:
     for n, eng in engines.items():
         if n.endswith("_eager"):
             eng.spec_runner.defer_prompt_tokens = 0
+    settle_huge_pages()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timers = {n: instrument(e, clock) for n, e in engines.items()}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)

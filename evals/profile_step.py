@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
+from evals.common import REPO_ROOT, log, machine_info, settle_huge_pages, versions, write_json  # noqa: E402
 from specpd.attention.metadata import AttentionMetadata  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
@@ -297,6 +297,7 @@ def main() -> None:
               "cases": {}}
     for batch in args.batches:
         engine = make_engine(batch, args.dtype)
+        settle_huge_pages()
         runtime = engine.runner.runtime_info()
         result["meta"]["runtime"] = runtime
         timers = instrument(engine)

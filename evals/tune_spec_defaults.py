@@ -18,7 +18,7 @@ import sys
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import log, machine_info, median, versions, write_json  # noqa: E402
+from common import log, machine_info, median, settle_huge_pages, versions, write_json  # noqa: E402
 from spec_workloads import WORKLOADS, lockstep_run  # noqa: E402
 
 import torch  # noqa: E402
@@ -101,6 +101,7 @@ def main() -> None:
             spec = spec_config(alg, *shape)
             engines[shape_name(shape)] = LLMEngine(EngineConfig(model="default", spec=spec,
                                                                 cache=CacheConfig(num_pages=512)), checkpoint=ckpt)
+        settle_huge_pages()
         ratios = {n: [] for n in engines if n != "non_spec"}
         for rep in range(args.reps):
             for i, prompt in enumerate(prompts[rep * args.num_prompts:(rep + 1) * args.num_prompts]):

@@ -12,6 +12,7 @@ Every explicit flag wins over these.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -62,6 +63,7 @@ _collapse = {"state": "none", "left_mib": 0, "collapsed_mib": 0}
 # what the collapse waits on: each engine's `busy` check in this process (a bound method weakly, so that an engine
 # let go of is not kept; any other callable for the process's life)
 _busy_checks: list = []
+_starting = [0]  # engines of this process being built (their start-up calibration times the machine)
 
 
 def advise_huge_pages(address: int, nbytes: int) -> int:
@@ -192,9 +194,23 @@ def collapse_later_in_background(busy=None, duty: float = 0.5) -> threading.Thre
     return thread
 
 
-def _any_busy() -> bool:
-    """Some engine of this process has work (collapse_later_in_background)."""
+@contextlib.contextmanager
+def starting_up():
+    """An engine being built: the collapse waits meanwhile (its start-up calibration times this machine)."""
     with _later_lock:
+        _starting[0] += 1
+    try:
+        yield
+    finally:
+        with _later_lock:
+            _starting[0] -= 1
+
+
+def _any_busy() -> bool:
+    """Some engine of this process has work or is being built (collapse_later_in_background)."""
+    with _later_lock:
+        if _starting[0]:
+            return True
         checks = [r() for r in _busy_checks]
     return any(fn is not None and fn() for fn in checks)
 

@@ -26,7 +26,7 @@ from specpd.engine.spec_runner import build_spec_runner
 from specpd.engine.spec_stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
-from specpd.machine import collapse_later_in_background
+from specpd.machine import collapse_later_in_background, starting_up
 from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
 
@@ -38,6 +38,12 @@ class LLMEngine(HandoffHooks):
         """with_draft=False (a PD prefill server in draft-on-decode-only mode): no draft model is loaded;
         prefill-only requests keep the target features the draft consumes for the handoff instead.
         pd_role: "prefill" / "decode" for a PD server (under tensor parallelism it keeps whole pages to hand off)."""
+        with starting_up():  # its calibration times this machine: no huge-page collapse beside it (machine.py)
+            self._build(config, checkpoint, with_draft, pd_role)
+        # built and calibrated: what start-up left on 4 KB pages, collapsed while no request waits (machine.py)
+        collapse_later_in_background(busy=self.has_unfinished_requests)
+
+    def _build(self, config: EngineConfig, checkpoint, with_draft: bool, pd_role: str | None) -> None:
         self.config = config
         checkpoint = checkpoint or load_checkpoint(config.model)
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
@@ -80,8 +86,6 @@ class LLMEngine(HandoffHooks):
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
         logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
-        # built and calibrated: what start-up left on 4 KB pages, collapsed while no request waits (machine.py)
-        collapse_later_in_background(busy=self.has_unfinished_requests)
 
     # -- public API ------------------------------------------------------------------------
     @property

@@ -17,6 +17,11 @@ SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a r
 SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
 # a lone request's rounds read spec_scale per option (depth and width) and both ways: `CostModel.spec_scale`
 OPTION_SCALE_RANGE = (0.5, 8.0)
+# and an option not run relaxes towards its bucket's scale by this step (log space) each time another is read: an
+# option is read only when run, so one read dear in a contended stretch of this shared box (1.33-1.38x) was never
+# chosen again, and a c1 chat request sat on narrow rounds for the rest of its reply (the adaptive policy 5% behind
+# the full tree every round, profile_spec_round)
+OPTION_RELAX = 0.05
 EXTEND_SCALE_RANGE = (0.5, 8.0)
 # one round's reading moves a learned price by at most a step towards OUTLIER x (or 1 / OUTLIER x) it, plus
 # OUTLIER_FLOOR_S for an additive one: a round the box stalled for seconds (a shared 2-core VM does) once set
@@ -241,6 +246,10 @@ class CostModel:
         self._spec_scales[bucket] = _ema_log(old, reading, SPEC_SCALE_RANGE)
         if requests == 1 and option is not None:
             self._option_scales[option] = _ema_log(self._option_scales.get(option, old), reading, OPTION_SCALE_RANGE)
+            to = self._spec_scales[bucket]
+            for k, scale in self._option_scales.items():
+                if k != option:
+                    self._option_scales[k] = scale * (to / scale) ** OPTION_RELAX
 
     def as_dict(self) -> dict:
         return {"clock": self.clock, "target_rows": dict(zip(self.target_rows.xs, self.target_rows.ys)),

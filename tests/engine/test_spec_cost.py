@@ -171,6 +171,22 @@ def test_a_lone_requests_option_is_priced_by_its_own_rounds_also_below_its_table
         assert policy.plan(["a"]) == [(1, 2)]
 
 
+def test_a_lone_requests_option_not_run_relaxes_towards_its_bucket():
+    """An option is read only when a round runs it: one read dear in a contended stretch (1.4x) was never chosen
+    again, and a lone chat request kept to narrow rounds for the rest of its reply. Each reading of another option
+    moves it a step back towards the bucket's scale; the option read keeps its own reading."""
+    cost = CostModel({1: 10 * MS, 64: 136 * MS}, 0.1 * MS, {1: MS, 64: 3 * MS})
+    for _ in range(60):
+        cost.observe_spec_extra(5.6 * MS, 4 * MS, 1, option=2)  # option 2 read at 1.4x
+    dear = cost.spec_scale(1, 2)
+    assert dear == pytest.approx(1.4, rel=0.02)
+    for _ in range(60):
+        cost.observe_spec_extra(4 * MS, 4 * MS, 1, option=-2)  # the narrow option, as priced
+    bucket = cost.spec_scale(1)
+    assert cost.spec_scale(1, -2) == pytest.approx(1.0, rel=0.02)
+    assert 1.0 <= bucket < 1.05 and bucket < cost.spec_scale(1, 2) < 1.0 + 0.1 * (dear - 1.0)
+
+
 def test_a_model_free_drafters_cost_outside_the_target_is_learned_and_priced():
     """An n-gram drafter has no draft forward; what a speculating round adds outside the target (the verify path
     for the whole batch) is measured per request of the batch and makes a marginal speculation not pay. A round

@@ -169,22 +169,27 @@ def test_a_tree_row_equals_the_decode_step_over_its_path(dtype, prefix, path):
         assert torch.equal(alone, together[j:j + 1]), (j, depth[j])
 
 
+def _rounds_apart_from_the_vector_path(setter) -> None:
+    """The process's bf16 path, then the fp32 vector path (`setter(0)`) on the same case: some outputs differ."""
+    q_lens, kv_lens, hq, hkv, d, ps, tree = CASES["verify_trees"]
+    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, torch.bfloat16, tree)
+    before = pool.buffer.clone()
+    fast = run(paged_attention, pool, meta, qkv, positions, hq, hkv)
+    try:
+        setter(0)
+        pool.buffer.copy_(before)
+        assert not torch.equal(fast, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
+    finally:
+        setter(1)
+
+
 @pytest.mark.skipif(not (AMX and attention_amx_wanted()), reason="no AMX here, or SPECPD_ATTENTION_AMX=0")
 def test_an_amx_cpu_attends_bf16_on_tiles_and_they_round_apart_from_the_vector_path():
     """The process attends bf16 on tiles where the CPU has AMX (build.attention_amx_wanted), and the switch reaches
     another computation: the two paths round some outputs apart (both are checked against the reference above)."""
     lib = _lib()
     assert lib.attention_amx
-    q_lens, kv_lens, hq, hkv, d, ps, tree = CASES["verify_trees"]
-    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, torch.bfloat16, tree)
-    before = pool.buffer.clone()
-    tiles = run(paged_attention, pool, meta, qkv, positions, hq, hkv)
-    try:
-        lib.specpd_attention_use_amx(0)
-        pool.buffer.copy_(before)
-        assert not torch.equal(tiles, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
-    finally:
-        lib.specpd_attention_use_amx(1)
+    _rounds_apart_from_the_vector_path(lib.specpd_attention_use_amx)
 
 
 @pytest.mark.skipif(not (available() and isa() == "avx512_bf16" and attention_dp_wanted()),
@@ -195,16 +200,7 @@ def test_an_avx512_bf16_cpu_attends_bf16_on_pair_dots_and_they_round_apart_from_
     (both are checked against the reference above)."""
     lib = _lib()
     assert lib.attention_dp and not lib.attention_amx
-    q_lens, kv_lens, hq, hkv, d, ps, tree = CASES["verify_trees"]
-    pool, meta, qkv, positions = make_case(q_lens, kv_lens, hq, hkv, d, ps, torch.bfloat16, tree)
-    before = pool.buffer.clone()
-    dots = run(paged_attention, pool, meta, qkv, positions, hq, hkv)
-    try:
-        lib.specpd_attention_use_dp(0)
-        pool.buffer.copy_(before)
-        assert not torch.equal(dots, run(paged_attention, pool, meta, qkv, positions, hq, hkv))
-    finally:
-        lib.specpd_attention_use_dp(1)
+    _rounds_apart_from_the_vector_path(lib.specpd_attention_use_dp)
 
 
 def test_bad_shapes_are_refused():

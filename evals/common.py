@@ -185,18 +185,6 @@ def kernel_at(revision: str, filename: str, tmp: str):
     return build.switch_paths(ctypes.CDLL(lib))
 
 
-def settle_huge_pages(timeout: float = 180.0) -> None:
-    """Wait (every engine idle) for the collapse onto huge pages of what the engines' start-up left on 4 KB pages
-    (specpd.machine.collapse_later_in_background): what an in-process benchmark times from here runs beside no
-    collapse, and on the pages a server measured once its collapse ran (peers_client) runs on."""
-    import threading
-    import time
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if thread.name == "specpd-huge-pages":
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
 def percentile(xs: list[float], q: float) -> float | None:
     """The q-quantile of xs, linearly interpolated (numpy's default); None for no data."""
     if not xs:

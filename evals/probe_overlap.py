@@ -28,11 +28,12 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import held_out_sharegpt_prompts, log, machine_info, settle_huge_pages, versions, write_json  # noqa: E402
+from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json  # noqa: E402
 
 from specpd.config import EngineConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+from specpd.machine import wait_for_collapse  # noqa: E402
 
 MODES = ("none", "serial", "overlap")
 
@@ -87,7 +88,7 @@ def main() -> int:
     from specpd.model.loader import load_checkpoint
     ckpt = load_checkpoint("default")
     eng = LLMEngine(EngineConfig(model="default"), checkpoint=ckpt)  # the served defaults (dtype, threads)
-    settle_huge_pages()
+    wait_for_collapse()
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.reps)
     helper = Helper()
     decode(eng, prompts[0], "none", 0.0, helper, 16)  # warm-up

@@ -32,14 +32,14 @@ import time
 
 import torch
 
-from common import log, machine_info, settle_huge_pages, versions, write_json
+from common import log, machine_info, versions, write_json
 from spec_workloads import WORKLOADS, configs, lockstep_run
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
-from specpd.machine import default_dtype, default_threads
+from specpd.machine import default_dtype, default_threads, wait_for_collapse
 from specpd.model.loader import load_checkpoint
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     for n, eng in engines.items():
         if n.endswith("_eager"):
             eng.spec_runner.defer_prompt_tokens = 0
-    settle_huge_pages()
+    wait_for_collapse()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     timers = {n: instrument(e, clock) for n, e in engines.items()}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)

@@ -28,13 +28,13 @@ EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 import torch  # noqa: E402
 
-from common import (held_out_sharegpt_prompts, log, machine_info, percentile, settle_huge_pages,  # noqa: E402
-                    versions, write_json)
+from common import held_out_sharegpt_prompts, log, machine_info, percentile, versions, write_json  # noqa: E402
 from spec_profile import Timers  # noqa: E402
 from specpd.attention.metadata import AttentionMetadata  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+from specpd.machine import wait_for_collapse  # noqa: E402
 from specpd.model.loader import load_checkpoint  # noqa: E402
 from specpd.verify.tree import DraftTree  # noqa: E402
 
@@ -172,7 +172,7 @@ def main() -> int:
     ckpt = load_checkpoint("default")
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.prompts)
     eng = engines(ckpt)
-    settle_huge_pages()
+    wait_for_collapse()
     log(f"{len(prompts)} held-out chat prompts, plain / fixed / adaptive in rotated order")
     result, timers = run_engines(eng, prompts, args.max_tokens)
     breakdown = round_breakdown(timers, result["fixed"]["tokens_per_round"])

@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from evals.common import REPO_ROOT, log, machine_info, settle_huge_pages, versions, write_json  # noqa: E402
+from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
 from specpd.attention.metadata import AttentionMetadata  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 from specpd.kernels import cpu_gemm_bf16  # noqa: E402
-from specpd.machine import isa  # noqa: E402
+from specpd.machine import isa, wait_for_collapse  # noqa: E402
 
 OUT = os.path.join(REPO_ROOT, "evals", "results", "profile_step.json")
 CTX = 300
@@ -297,7 +297,7 @@ def main() -> None:
               "cases": {}}
     for batch in args.batches:
         engine = make_engine(batch, args.dtype)
-        settle_huge_pages()
+        wait_for_collapse()
         runtime = engine.runner.runtime_info()
         result["meta"]["runtime"] = runtime
         timers = instrument(engine)

@@ -18,7 +18,7 @@ import sys
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import log, machine_info, median, settle_huge_pages, versions, write_json  # noqa: E402
+from common import log, machine_info, median, versions, write_json  # noqa: E402
 from spec_workloads import WORKLOADS, lockstep_run  # noqa: E402
 
 import torch  # noqa: E402
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+from specpd.machine import wait_for_collapse  # noqa: E402
 
 SHAPES = {  # (steps, topk, tokens[, n-gram min match])
     "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (2, 2, 4), (3, 2, 6), (2, 4, 5), (3, 3, 6), (3, 4, 8), (4, 4, 12)],
@@ -101,7 +102,7 @@ def main() -> None:
             spec = spec_config(alg, *shape)
             engines[shape_name(shape)] = LLMEngine(EngineConfig(model="default", spec=spec,
                                                                 cache=CacheConfig(num_pages=512)), checkpoint=ckpt)
-        settle_huge_pages()
+        wait_for_collapse()
         ratios = {n: [] for n in engines if n != "non_spec"}
         for rep in range(args.reps):
             for i, prompt in enumerate(prompts[rep * args.num_prompts:(rep + 1) * args.num_prompts]):

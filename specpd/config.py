@@ -104,9 +104,9 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
 # chain of 4)
 # "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape): S=2 K=4 T=6,
-# tuned at the served thread count on 32 training chat prompt runs (spec_tuning.json's "hybrid", AMD EPYC: 1.29x
-# non-spec, S=2 K=4 T=4 1.27x, S=3 K=4 T=8 1.26x, the S=2 K=4 T=5 it had before 1.16x; T=6 led T=5 in three
-# earlier runs of 8-24 prompts too, by 4-14%). T=5 had replaced the S=3 K=2 T=6 it had kept since the adaptive
+# tuned at the served thread count on 32 training chat prompt runs (spec_tuning.json's "hybrid", AMD EPYC, rerun at
+# 641074b: 1.24x non-spec and the best in both reps, the S=2 K=4 T=5 it had before 1.22x, S=3 K=4 T=6 1.21x; T=6 led
+# T=5 in three earlier runs of 8-24 prompts too). T=5 had replaced the S=3 K=2 T=6 it had kept since the adaptive
 # policy speculated at batch 8 (1.36x against 1.06x then); at batch 8 neither speculated (0.977x / 0.973x plain)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (2, 4, 6), "replay": (4, 1, 5)}

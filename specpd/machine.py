@@ -64,6 +64,7 @@ _collapse = {"state": "none", "left_mib": 0, "collapsed_mib": 0}
 # let go of is not kept; any other callable for the process's life)
 _busy_checks: list = []
 _starting = [0]  # engines of this process being built (their start-up calibration times the machine)
+_threads: list[threading.Thread] = []  # the collapse threads started (wait_for_collapse)
 
 
 def advise_huge_pages(address: int, nbytes: int) -> int:
@@ -191,7 +192,20 @@ def collapse_later_in_background(busy=None, duty: float = 0.5) -> threading.Thre
 
     thread = threading.Thread(target=run, name="specpd-huge-pages", daemon=True)
     thread.start()
+    with _later_lock:
+        _threads.append(thread)
     return thread
+
+
+def wait_for_collapse(timeout: float = 180.0) -> None:
+    """Wait, at most `timeout` seconds, for every collapse this process started (collapse_later_in_background)
+    to finish: it runs once every engine is idle, so a benchmark that times forwards in process calls this first
+    (they then run beside no collapse, on the pages a served process reaches once its collapse ran)."""
+    deadline = time.monotonic() + timeout
+    with _later_lock:
+        threads = list(_threads)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager

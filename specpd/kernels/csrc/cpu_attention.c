@@ -665,15 +665,11 @@ static void attend_block(const Args* a, int64_t b, int64_t h, int64_t r0, int64_
     int64_t end = tree ? kv_len : prefix + row + 1;
     if (end > last) last = end;
   }
-#ifdef ATTN_DP
-  if (dp)
-    for (int64_t v = 0; v < V; v++)
-      for (int64_t d = 0; d < D; d++) Qb[v][d] = f32_bf16(Q[v][d]);
-#endif
-#ifdef ATTN_AMX
-  if (amx) {
+  if (amx || dp)  /* the bf16 paths' queries (AMX: zero up to a whole tile) */
     for (int64_t v = 0; v < Vpad; v++)
       for (int64_t d = 0; d < D; d++) Qb[v][d] = v < V ? f32_bf16(Q[v][d]) : 0;
+#ifdef ATTN_AMX
+  if (amx) {
     const int rows = V < 16 ? (int)V : 16;  /* a decode row's 3 vectors: 3-row tiles (a row's result is the same) */
     if (*tile_rows != rows) attn_amx_configure(*tile_rows = rows);
   }

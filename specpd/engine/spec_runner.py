@@ -166,8 +166,9 @@ class SpecRunner(TreeVerifier, DeferredExtends):
             t0 = time.perf_counter()
             self.proposer.extend(extends)
             draft_s += time.perf_counter() - t0
-        # a prefill's extend is not the draft's round cost, nor a shadow probe's catch-up a depth-0 round's
-        if plans is not None and len(decode) == len(items) and not shadow and not prompt_catch_up:
+        # a prefill's extend is not the draft's round cost, nor a draft model's shadow-probe catch-up a depth-0
+        # round's (an n-gram's probe is a lookup: its rounds are read, else a model-free server at b8 read none)
+        if plans is not None and len(decode) == len(items) and not self._costly(shadow) and not prompt_catch_up:
             speculating = sum(1 for steps, _ in plans if steps > 0)
             policy.cost.observe_round(len(decode), time.perf_counter() - t_round - target_s, speculating > 0,
                                       policy.last_draft_s, speculating,
@@ -175,6 +176,11 @@ class SpecRunner(TreeVerifier, DeferredExtends):
                                       predicted_extend_s=policy.last_extend_s, extend_s=catch_s)
             self._last_round = (t_round, len(decode), speculating > 0, time.perf_counter() - t_round)
         return results
+
+    def _costly(self, shadow: set) -> bool:
+        """Whether this round's shadow probes cost work of their own: a draft model's catch-up extend does, an
+        n-gram drafter's guesses (a lookup made before the round) do not."""
+        return bool(shadow) and not self.proposer.model_free
 
     def _observe_cycle(self, now: float) -> None:
         """The last decode round's whole cycle, its start to this round's (its postprocess, streaming, the
@@ -261,7 +267,7 @@ class SpecRunner(TreeVerifier, DeferredExtends):
                     extends.append(ext)
         if extends:
             self.proposer.extend(extends)
-        if decode_only and not shadow:  # a shadow probe's catch-up is not what a depth-0 round costs
+        if decode_only and not self._costly(shadow):  # a catch-up is not what a depth-0 round costs
             policy.cost.observe_round(len(items), time.perf_counter() - t_round - target_s, False, 0.0)
             self._last_round = (t_round, len(items), False, time.perf_counter() - t_round)
         return results

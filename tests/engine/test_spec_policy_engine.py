@@ -225,3 +225,35 @@ def test_an_ngram_request_at_depth_0_shadow_probes_every_round_and_comes_back(ti
     # budget, 46 of 60 (one probe, then a slow climb)
     assert policy.stats.rounds_off < 36, policy.stats
     assert eng.free_pages == NUM_PAGES
+
+
+def test_an_ngram_servers_rounds_with_shadow_probes_are_read_by_the_cost_model(tiny):
+    """An n-gram drafter's shadow probe is a lookup made before the round: the round costs what a round without
+    it costs, so the cost model reads it. (Read as a draft model's catch-up, none was: at b8 some request probes
+    every round, the model-free server read no depth-0 round and no speculating one, and its spec_scale stayed at
+    its floor while speculating lost; issue 32's n-gram chat c8 / c32 at 0.93x.)"""
+    path, _ = tiny
+    prompts = [list(range(200, 212)) * 4, list(range(260, 300)), list(range(50, 58)) * 3, [9, 8, 7, 6, 5]]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in engine(path, SpecConfig()).generate(prompts, params)]
+    eng = engine(path, SpecConfig("ngram", spec_adaptive_pinned=True))
+    policy = eng.spec_runner.policy
+    policy.frozen = False
+    policy.request_rates = [0.02] * policy.num_steps  # past requests accepted nothing: rounds at depth 0 probe
+    probing, read = [], []
+    real_plan, real_observe = policy.plan, policy.cost.observe_round
+
+    def plan(*args, **kwargs):
+        out = real_plan(*args, **kwargs)
+        probing.append(len(policy.shadow_probes))
+        return out
+
+    def observe_round(*args, **kwargs):
+        read.append(probing[-1])
+        return real_observe(*args, **kwargs)
+
+    policy.plan, policy.cost.observe_round = plan, observe_round
+    assert [o.token_ids for o in eng.generate(prompts, params)] == plain
+    assert any(probing), "no round shadow-probed: the test reads nothing"
+    assert any(n > 0 for n in read), (probing, read)
+    assert eng.free_pages == NUM_PAGES

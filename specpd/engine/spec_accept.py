@@ -100,7 +100,8 @@ class AcceptanceEstimates:
             st = self._stats[request_id] = RequestStats(list(z), list(z), list(z), list(z), list(z), list(z))
         return st
 
-    def accept_rates(self, request_id: str, narrow: bool = False) -> list[float]:
+    def accept_rates(self, request_id: str, narrow: bool = False, full: list[float] | None = None,
+                     share: list[float] | None = None) -> list[float]:
         """Conditional acceptance per depth. Depth 1's prior is the per-request average (`prior_rates`); a deeper
         depth's is this request's rate one level up, scaled by that average's trend between the two levels, so a
         request that keeps accepting (a copied span) is expected to keep accepting deeper than it has
@@ -108,11 +109,13 @@ class AcceptanceEstimates:
         request's full-width rate times the top path's share of it (`top_path_share`), and deeper the request's
         own narrow rate one level up times the trend of that prior. (Priors taken from the full width at every
         depth kept a request whose narrow rounds accepted 0.95 at depth 3 priced at ~0.4 at depth 4, which it
-        then never tried: a grounded n-gram request stayed at 3 proposals a round, issue 32.)"""
+        then never tried: a grounded n-gram request stayed at 3 proposals a round, issue 32.) `full`, `share`: the
+        request's full-width rates and `top_path_share()` where the caller has them (a plan reads every request's)."""
         st = self._get(request_id)
         if narrow:
-            share = self.top_path_share()
-            base = [min(1.0, a * s) for a, s in zip(self.accept_rates(request_id), share)]
+            share = self.top_path_share() if share is None else share
+            full = self.accept_rates(request_id) if full is None else full
+            base = [min(1.0, a * s) for a, s in zip(full, share)]
             rates = []
             for d, (acc, att) in enumerate(zip(st.chain_accepted, st.chain_attempted)):
                 # deeper than depth 1, like the full width's: the request's own narrow rate one level up, scaled

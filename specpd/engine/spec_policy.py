@@ -182,6 +182,8 @@ class AdaptivePolicy(AcceptanceEstimates):
         cost, steps = self.cost, self.num_steps
         req = other_requests + n
         spec_scale = {k: cost.spec_scale(req, k) for k in options}
+        drafts = cost.draft_rows is not None  # a model-free drafter's draft and extend cost nothing (CostModel)
+        verify_at: dict[int, list[float]] = {}  # the batch's rows with a request at depth 0 -> each option's verify
         for sweep in range(3):
             rows = other_rows + sum(self.rows(k) for k in depth)
             level_rows = [sum(self.frontier(s) for k in depth if abs(k) > s) for s in range(steps)]
@@ -196,14 +198,19 @@ class AdaptivePolicy(AcceptanceEstimates):
                 # the batch's rows with this request at depth 0: its verify rows are priced exactly from there
                 # (the CPU kernel's cost steps at row blocks; a derivative at one point misprices k rows)
                 rows_base = rows - self.rows(depth[i]) + 1
-                target_base = cost.target(req, rows_base)
-                best_k, best_v, draft = 0, 0.0, 0.0
-                for k in options:  # a narrow depth drafts as its full one does: only its verify rows differ
+                verify = verify_at.get(rows_base)
+                if verify is None:  # (a batch at one depth shares it: at b32 the search priced it 32 times a sweep)
+                    target_base = cost.target(req, rows_base)
+                    verify = verify_at[rows_base] = [
+                        (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
+                        for k in options]
+                best_k, best_v, draft, extend = 0, 0.0, 0.0, 0.0
+                for j, k in enumerate(options):  # a narrow depth drafts as its full one: only its verify rows differ
                     if k > 1:
                         draft += own[k - 1] if abs(depth[i]) > k - 1 else add[k - 1]
-                    extend = cost.extend(ext_rows + gains[i][k] + priced[i]) - ext_base
-                    verify = (cost.target(req, rows_base + self.rows(k) - 1) - target_base) * cost.tree_factor
-                    value = (gains[i][k] - 1.0) - lam * spec_scale[k] * (verify + draft + extend)
+                    if drafts:
+                        extend = cost.extend(ext_rows + gains[i][k] + priced[i]) - ext_base
+                    value = (gains[i][k] - 1.0) - lam * spec_scale[k] * (verify[j] + draft + extend)
                     if value > best_v:
                         best_k, best_v = k, value
                 new.append(best_k)
@@ -251,10 +258,12 @@ class AdaptivePolicy(AcceptanceEstimates):
         return [(abs(k), self.rows(k)) for k in depth]
 
     def _gains(self, request_ids: list[str]) -> list[list[float]]:
-        gains = [self.expected_tokens(self.accept_rates(r)) for r in request_ids]
+        rates = [self.accept_rates(r) for r in request_ids]
+        gains = [self.expected_tokens(a) for a in rates]
         if self.narrow_ok:
-            gains = [g + self.expected_tokens(self.accept_rates(r, narrow=True))[:0:-1]
-                     for g, r in zip(gains, request_ids)]
+            share = self.top_path_share()
+            gains = [g + self.expected_tokens(self.accept_rates(r, narrow=True, full=a, share=share))[:0:-1]
+                     for g, r, a in zip(gains, request_ids, rates)]
         return gains
 
     def _probe(self, request_ids: list[str], depth: list[int], extra: tuple, pending: list[int] | None,
@@ -345,7 +354,7 @@ class AdaptivePolicy(AcceptanceEstimates):
 
     def _draft_time(self, depth: list[int], gains: list[list[float]], pending: list[int]) -> float:
         """The round's draft forwards: one per draft level past the first, and the extend (catch-up included)."""
-        if not any(depth):
+        if self.cost.draft_rows is None or not any(depth):  # (a model-free drafter runs none)
             return 0.0
         return self._levels_time(depth) + self._extend_time(depth, gains, pending)
 

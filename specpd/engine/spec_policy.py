@@ -369,10 +369,10 @@ class AdaptivePolicy(AcceptanceEstimates):
 
     # -- feedback ---------------------------------------------------------------------------
     def observe_round_time(self, requests: int, seconds: float, speculated: bool) -> None:
-        """A decode round (no prefill in it, no shadow probe) took `seconds` in all, start to next start. At depth 0 it
-        is what a plain round of this batch costs (an EMA per batch size); a round the last plan speculated in is
-        read against that: what speculating added, over what the plan priced it at, corrects every price of
-        speculating (`CostModel.spec_scale`, module docstring 5b)."""
+        """A decode round (no prefill in it, no draft model's shadow probe) took `seconds` in all, start to next
+        start. At depth 0 it is what a plain round of this batch costs (an EMA per batch size); a round the last plan
+        speculated in is read against that: what speculating added, over what the plan priced it at, corrects every
+        price of speculating (`CostModel.spec_scale`, module docstring 5b)."""
         if self.frozen:
             return
         if not speculated:  # (a stalled round moves it by a bounded step: spec_cost.OUTLIER)

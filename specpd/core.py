@@ -4,14 +4,22 @@ No torch here: the scheduler and the router import this module.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 # structured-output constraint kinds (specpd.grammar.constraint, which re-exports them as KINDS): defined here,
 # the lowest layer, so SamplingParams.validate checks a kind without importing the grammar package
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# what torch.Generator.manual_seed takes: a 64-bit seed, signed or unsigned (negative ones wrap)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+SAMPLING_EPS = 1e-5  # a temperature below this samples greedily
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 class InvalidRequest(ValueError):
@@ -43,10 +51,12 @@ class SamplingParams:
     # structured output (specpd.grammar): kind in CONSTRAINT_KINDS, spec the text it compiles from
     constraint_kind: str | None = None
     constraint_spec: str = ""
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding: temperature 0 (below SAMPLING_EPS, where dividing by it overflows: vLLM's rule) or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -71,8 +81,15 @@ class SamplingParams:
             raise InvalidRequest("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise InvalidRequest("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequest("seed", f"must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise InvalidRequest("logit_bias", f"keys must be token ids (non-negative integers), got {token_id!r}")
+            if not _finite(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidRequest("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token "
+                                                   f"{token_id}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -91,9 +108,42 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """The distribution is not the raw logits' (penalties or a logit bias): no argmax-of-raw-logits shortcut."""
+        return self.needs_penalties or bool(self.logit_bias)
+
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class EngineBroken(RuntimeError):
+    """A fault of the engine itself, not of any request (a tensor-parallel rank gone): it cannot step again."""
+
+
+class RequestFaults:
+    """Failures that one request's own parameters or data cause inside a batched step: its sampling row, its
+    generator, its grammar, its drafter, its detokenizer. Each such site runs its per-request work under
+    `guard(request_id, what)`, with a harmless value in place for the rest of the step, so the batch goes on;
+    at the end of the step the engine finishes every failed request with the error (`take`). The client hears
+    what failed, the log has the traceback; no other request is touched."""
+
+    def __init__(self):
+        self.failed: dict[str, str] = {}  # request id -> the message its client gets
+
+    @contextlib.contextmanager
+    def guard(self, request_id: str, what: str):
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - one request's fault, never the engine's
+            logger.exception("request %s failed in %s", request_id, what)
+            self.failed.setdefault(request_id, f"the request failed in {what} ({type(exc).__name__}); "
+                                               f"the server's log has the details")
+
+    def take(self) -> dict[str, str]:
+        failed, self.failed = self.failed, {}
+        return failed
 
 
 class RequestStatus(enum.Enum):
@@ -143,6 +193,9 @@ class Request:
     # for the spec runner to defer as the prompt's extend (specpd/engine/spec_defer.py)
     cached_draft: tuple | None = None
     kv_pinned: bool = False  # PD prefill: pages being streamed to D while it prefills: never preempted or freed
+    # a parallel sample (n > 1) after the first: admitted once `prefix_leader` (the first) has computed the prompt,
+    # whose pages it then takes from the prefix cache (Scheduler.share_prefix)
+    prefix_leader: "Request | None" = None
     seq_no: int = field(default_factory=lambda: next(_request_counter))
 
     @property

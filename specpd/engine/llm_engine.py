@@ -18,7 +18,7 @@ import logging
 import time
 
 from specpd.config import EngineConfig, ModelConfig
-from specpd.core import InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
+from specpd.core import EngineBroken, InvalidRequest, Request, RequestOutput, SamplingParams, TokenLogprob
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.handoff import HandoffHooks, feature_pages
 from specpd.engine.scheduler import Scheduler
@@ -31,6 +31,8 @@ from specpd.model.loader import load_checkpoint
 from specpd.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3  # steps in a row that fail with no request to blame: the engine is broken, not a request
 
 
 class LLMEngine(HandoffHooks):
@@ -80,6 +82,7 @@ class LLMEngine(HandoffHooks):
         self.eos_token_ids = tuple(sorted(eos))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[str] = []
+        self._failed_steps = 0  # steps in a row that failed with no request to blame (`_contain`)
         self._handoffs: dict[str, Request] = {}  # PD prefill: prefilled requests holding their pages
         self._pending_outputs: list[RequestOutput] = []  # produced outside step() (committed handoffs)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
@@ -134,9 +137,13 @@ class LLMEngine(HandoffHooks):
                                 "cost_model": policy.cost.as_dict()}}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Request:
+                    prefill_only: bool = False, follows: str | None = None) -> Request:
+        """follows: the request id of the first of a request's parallel samples (n > 1): this one starts once
+        that one has computed the prompt, and takes its prompt's pages from the prefix cache."""
         self.validate_request(request_id, prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(), prefill_only=prefill_only)
+        if follows is not None and self.prefix_cache is not None:
+            req.prefix_leader = self.scheduler.find(follows)
         if self._draft_kv:
             req.draft_kv_len = 0
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
@@ -156,8 +163,13 @@ class LLMEngine(HandoffHooks):
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= vocab]:
+                raise InvalidRequest(field, f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if n + params.max_tokens + self.decode_width - 1 > self.max_model_len:
-            raise InvalidRequest("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+            # the prompt's fault when it leaves no room for even one token, else max_tokens'
+            field = "prompt" if n + self.decode_width > self.max_model_len else "max_tokens"
+            raise InvalidRequest(field, f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
                                  f"exceeds the context length {self.max_model_len}")
         page_size = self.runner.kv_pool.page_size
         if pages_needed(n + params.max_tokens + self.decode_width, page_size) > self.total_pages:
@@ -194,7 +206,11 @@ class LLMEngine(HandoffHooks):
         if not batch:
             return outputs
         runner = self.spec_runner or self.runner
-        result = runner.execute(batch, self._suppressed_ids(batch))
+        try:
+            result = runner.execute(batch, self._suppressed_ids(batch))
+        except Exception as exc:  # noqa: BLE001 - contained, or re-raised when the engine itself is broken
+            return outputs + self._contain(batch, exc)
+        self._failed_steps = 0
         return outputs + self._postprocess(batch, result)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -231,34 +247,77 @@ class LLMEngine(HandoffHooks):
         self._aborted.clear()
         return outputs
 
+    def _contain(self, batch, exc: Exception) -> list[RequestOutput]:
+        """A step failed where no single request could be blamed: its batch's requests fail with a 500 and the
+        engine serves the rest. The engine itself is broken (re-raise: the engine thread dies, /health turns 503)
+        when it says so (EngineBroken: a tensor-parallel rank gone), or MAX_FAILED_STEPS steps in a row failed."""
+        self._failed_steps += 1
+        if (isinstance(exc, (EngineBroken, MemoryError)) or self.dead_ranks()
+                or self._failed_steps >= MAX_FAILED_STEPS):
+            raise exc
+        logger.exception("engine step failed: failing the %d request(s) of its batch", len(batch.items))
+        self.runner.faults.take()
+        message = f"the engine step serving this request failed ({type(exc).__name__}); the server's log has the details"
+        return [self._fail(it.request, message) for it in batch.items if not it.request.finished]
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish a request with an error (finish_reason "abort"): its pages go back as an abort's do. Its
+        detokenizer is dropped unread: it may be what failed."""
+        if not req.finished:
+            self.scheduler.finish(req, "abort")
+        self._detok.pop(req.request_id, None)
+        (self.spec_runner or self.runner).release(req)
+        self.counters["requests_finished"] += 1
+        return RequestOutput(req.request_id, [], "", list(req.output_token_ids), "", True, "abort",
+                             req.num_prompt_tokens, error=message, spec_verify_count=req.spec_verify_count,
+                             spec_accepted_tokens=req.spec_accepted_tokens,
+                             spec_committed_tokens=req.spec_committed_tokens, num_cached_tokens=req.num_cached_tokens)
+
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         outputs = []
         finishing = []  # (request, reason, its new tokens and logprobs, its place in outputs)
+        faults = self.runner.faults
+        failed = faults.take()
         for item, sampled in zip(batch.items, result):
             req = item.request
-            self.scheduler.commit(item, sampled.committed_slots)
-            if sampled.num_accepted is not None:
-                self._record_verify(req, sampled.num_accepted)
-            if not sampled.token_ids:
+            if req.request_id in failed:  # its own parameters or data broke its part of the step (RequestFaults)
+                outputs.append(self._fail(req, failed.pop(req.request_id)))
                 continue
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if req.prefill_only:
-                outputs.append(self._handoff(req, sampled))
-                continue
-            new_ids, new_lps, reason = self._append(req, sampled.token_ids, sampled.logprobs)
-            if sampled.num_accepted is not None:
-                req.spec_committed_tokens += len(new_ids)
-            if reason is not None:
-                finishing.append((req, reason, new_ids, new_lps, len(outputs)))
-                outputs.append(None)
-            else:
-                outputs.append(self._output(req, new_ids, new_lps, final=False))
+            with faults.guard(req.request_id, "postprocessing (stop checks, detokenizing)"):
+                self._postprocess_item(item, sampled, outputs, finishing)
         if finishing:
             self._finish([(req, reason) for req, reason, *_ in finishing])
             for req, _, new_ids, new_lps, at in finishing:
-                outputs[at] = self._finish_output(req, new_ids, new_lps)
-        return outputs
+                with faults.guard(req.request_id, "detokenizing"):
+                    outputs[at] = self._finish_output(req, new_ids, new_lps)
+        failed.update(faults.take())
+        by_id = {req.request_id: req for req in (it.request for it in batch.items)}
+        for rid, message in failed.items():  # its postprocess, or a request a drafter served outside the items
+            req = by_id.get(rid) or self.scheduler.find(rid)
+            if req is not None:
+                outputs = [o for o in outputs if o is not None and o.request_id != rid] + [self._fail(req, message)]
+        return [o for o in outputs if o is not None]
+
+    def _postprocess_item(self, item, sampled, outputs: list, finishing: list) -> None:
+        req = item.request
+        self.scheduler.commit(item, sampled.committed_slots)
+        if sampled.num_accepted is not None:
+            self._record_verify(req, sampled.num_accepted)
+        if not sampled.token_ids:
+            return
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if req.prefill_only:
+            outputs.append(self._handoff(req, sampled))
+            return
+        new_ids, new_lps, reason = self._append(req, sampled.token_ids, sampled.logprobs)
+        if sampled.num_accepted is not None:
+            req.spec_committed_tokens += len(new_ids)
+        if reason is not None:
+            finishing.append((req, reason, new_ids, new_lps, len(outputs)))
+            outputs.append(None)
+        else:
+            outputs.append(self._output(req, new_ids, new_lps, final=False))
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None]):
         """Append tokens one at a time, stopping at the first stop condition. Returns what was appended and

@@ -137,6 +137,39 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed_tokens
         request.handoff_hidden = list(m.payloads) if self.page_payloads is not None else None
 
+    def _leader_ready(self, request: Request) -> bool:
+        """A parallel sample waits until its leader has computed the prompt (then shares its pages); one whose
+        leader finished or was preempted finds the pages in the cache, where the leader's release put them."""
+        leader = request.prefix_leader
+        if leader is None:
+            return True
+        if not leader.finished and not leader.output_token_ids:
+            return False
+        if leader.status is RequestStatus.RUNNING:
+            self.share_prefix(leader)
+        request.prefix_leader = None
+        return True
+
+    def share_prefix(self, request: Request) -> None:
+        """Put a running request's computed prompt pages in the prefix cache now, not when it ends, locked for it
+        (its `cache_node`): the parallel samples of its request match them. Pages whose draft KV lags stay out."""
+        if self.cache is None or not request.pages or self.page_payloads is not None:
+            return
+        valid = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if request.draft_kv_len is not None:
+            valid = min(valid, request.draft_kv_len)
+        tokens = request.all_token_ids
+        self.cache.insert(tokens, request.pages, valid)  # pages it did not adopt stay the request's, as they are
+        m = self.cache.match(tokens, max_tokens=valid, count=False)
+        own = next((k for k, page in enumerate(m.pages) if page != request.pages[k]), m.num_pages)
+        m = m.cut(own)  # past a page another request cached first, the path is not this request's pages
+        held = request.cache_node.depth if request.cache_node is not None else 0
+        if m.num_pages <= held:
+            return
+        self.cache.lock(m.node)
+        self.cache.unlock(request.cache_node)
+        request.cache_node = m.node
+
     # -- scheduling ------------------------------------------------------------------------
     def _grow(self, request: Request, end: int) -> bool:
         """Make sure `request` owns pages for positions < end."""
@@ -201,6 +234,8 @@ class Scheduler:
         # then admit waiting requests
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running_requests:
             req = self.waiting[0]
+            if not self._leader_ready(req):
+                break
             self._match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cfg.chunked_prefill_size)
             if not self._grow(req, req.num_computed_tokens + n):

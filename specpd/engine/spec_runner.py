@@ -293,10 +293,11 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         req = it.request
         token_ids, logprobs = [], []
         if it.samples:
-            mask_logits(logits, [req.grammar])
+            faults = self.runner.faults
+            mask_logits(logits, [req.grammar], faults, [req.request_id])
             row = self._row(it, [], suppress)
             raw = logits.clone() if row.params.logprobs is not None else None
-            token = sample(process_logits(logits, [row]), [row], self.runner.shared_generator)[0]
+            token = sample(process_logits(logits, [row], faults), [row], self.runner.shared_generator, faults)[0]
             token_ids = [token]
             logprobs = compute_logprobs(raw, [token], [row]) if raw is not None else [None]
         ext = _prompt_extend(it, token_ids, features)

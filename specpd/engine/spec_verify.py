@@ -31,7 +31,7 @@ class TreeVerifier:
         p = req.params
         sup = suppress.get(req.request_id, ()) if n_out < p.min_tokens else ()
         return SamplingRow(p, req.prompt_token_ids, req.output_token_ids + extra_output,
-                           self.runner.generator_for(req), sup)
+                           self.runner.generator_for(req), sup, req.request_id)
 
     def _verify_all(self, tree_logits: list, suppress, batch_logits: torch.Tensor | None = None,
                     offsets: list[int] | None = None) -> list[tuple[list[int], int, torch.Tensor | None]]:
@@ -47,9 +47,10 @@ class TreeVerifier:
         for j, (it, tree, logits) in enumerate(tree_logits):
             req = it.request
             if req.grammar is not None:  # every node against the target masked by the grammar state at that node
-                mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
+                with runner.faults.guard(req.request_id, "its grammar"):
+                    mask_tree_logits(logits, req.grammar, tree.tokens, tree.parents)
             raw = logits.clone() if req.params.logprobs is not None else None
-            greedy_row = req.params.greedy and not req.params.needs_penalties and not suppress.get(req.request_id)
+            greedy_row = req.params.greedy and not req.params.adjusts_logits and not suppress.get(req.request_id)
             (greedy if greedy_row else sampled).append(j)
             out[j] = (None, None, raw)
         if greedy and batch_logits is not None:  # one argmax over the round's rows, read at each tree's
@@ -63,7 +64,7 @@ class TreeVerifier:
         if sampled:
             rows = [self._row(tree_logits[j][0], tree_path_tokens(tree_logits[j][1], node), suppress)
                     for j in sampled for node in range(tree_logits[j][1].num_nodes)]
-            probs = process_logits(torch.cat([tree_logits[j][2] for j in sampled]), rows)
+            probs = process_logits(torch.cat([tree_logits[j][2] for j in sampled]), rows, runner.faults)
             gens = [runner.generator_for(tree_logits[j][0].request) or runner.shared_generator for j in sampled]
             for j, result in zip(sampled, verify_trees([tree_logits[j][1] for j in sampled], probs, gens)):
                 out[j] = (result.accepted_nodes, result.bonus_token, out[j][2])

@@ -18,6 +18,7 @@ is committed.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -134,8 +135,10 @@ class RequestGrammar:
         return allowed
 
 
-def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
-    """logits [n, vocab] fp32, in place: row i gets grammars[i]'s next-token mask (None: untouched)."""
+def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None], faults=None,
+                request_ids: list[str] | None = None) -> None:
+    """logits [n, vocab] fp32, in place: row i gets grammars[i]'s next-token mask (None: untouched).
+    faults (specpd.core.RequestFaults) with request_ids[i] per row: a matcher that fails fails its request alone."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
@@ -143,7 +146,8 @@ def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> 
     g0 = grammars[rows[0]]
     bitmask = _new_bitmask(logits.shape[0], g0.vocab_size)
     for i in rows:
-        grammars[i].next_bitmask(bitmask, i)
+        with faults.guard(request_ids[i], "its grammar") if faults is not None else contextlib.nullcontext():
+            grammars[i].next_bitmask(bitmask, i)
     _apply(logits, bitmask, rows, g0.vocab_size)
     g0.stats.mask_seconds += time.perf_counter() - t0
     g0.stats.mask_calls += 1

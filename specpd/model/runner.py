@@ -12,7 +12,7 @@ import torch
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import EngineConfig, ModelConfig
 from specpd.core import TokenLogprob  # noqa: F401  (SampledTokens field type)
-from specpd.core import ScheduledBatch, ScheduledItem
+from specpd.core import RequestFaults, ScheduledBatch, ScheduledItem
 from specpd.grammar.matcher import mask_logits
 from specpd.kernels.kv_compact import compact_pool
 from specpd.kv.pool import DTYPES, KVPool
@@ -104,6 +104,8 @@ class ModelRunner:
     def _init_host_state(self, config: EngineConfig) -> None:
         self.shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        # what one request's own parameters or data broke in a step: the engine fails that request alone
+        self.faults = RequestFaults()
         # PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these target
         # layers' inputs; (): the final hidden) of prefill-only requests for the handoff. None: keep nothing.
         self.handoff_capture: tuple[int, ...] | None = None
@@ -122,7 +124,8 @@ class ModelRunner:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+            with self.faults.guard(request.request_id, "seeding its generator"):
+                gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
         return gen
 
     def release(self, request) -> None:
@@ -180,18 +183,19 @@ class ModelRunner:
                 req = it.request
                 rows_idx.append(offset - 1)
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids,
-                                        self.generator_for(req), suppress.get(req.request_id, ())))
+                                        self.generator_for(req), suppress.get(req.request_id, ()), req.request_id))
         if not rows:
             return [SampledTokens(it.request.request_id, [], [], q) for it, q in zip(items, q_lens)]
         logits = self.model.compute_logits(hidden[rows_idx])  # [num_rows, vocab] fp32
         # structured output: the grammar mask comes before every other logit processing and the greedy argmax
-        mask_logits(logits, [it.request.grammar for it in items if it.samples])
+        sampling = [it.request for it in items if it.samples]
+        mask_logits(logits, [r.grammar for r in sampling], self.faults, [r.request_id for r in sampling])
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw = logits.clone() if want_logprobs else logits
         if greedy_fast_path(rows):
             tokens = greedy_tokens(logits).tolist()
         else:
-            tokens = sample(process_logits(logits, rows), rows, self.shared_generator)
+            tokens = sample(process_logits(logits, rows, self.faults), rows, self.shared_generator, self.faults)
         logprobs = compute_logprobs(raw, tokens, rows) if want_logprobs else [None] * len(rows)
         result, k = [], 0
         for it, q in zip(items, q_lens):

@@ -39,12 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import multiprocessing as mp
 
+from specpd.core import EngineBroken
 from specpd.config import EngineConfig, ModelConfig
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-class RankFailed(RuntimeError):
+class RankFailed(EngineBroken):
     """A tensor-parallel rank is gone: the group cannot run another forward."""
 
 

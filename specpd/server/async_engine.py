@@ -73,6 +73,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     admitted: asyncio.Future
+    follows: str | None = None  # a parallel sample after the first: that one's request id
 
 
 @dataclass
@@ -202,7 +203,8 @@ class AsyncEngine:
         dead = self.dead_ranks()
         if self.error is None and dead:
             return f"the engine is not running: its tensor-parallel rank(s) {dead} exited"
-        return f"the engine is not running: {self.error!r}"
+        return (f"the engine is not running: it stopped after an internal error ({type(self.error).__name__}); the "
+                f"server's log has the details")
 
     def dead_ranks(self) -> list[int]:
         """The engine's tensor-parallel ranks that exited (read from their process handles, no engine call)."""
@@ -225,15 +227,16 @@ class AsyncEngine:
             raise QueueFullError(queued)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> RequestStream:
-        """Queue a request; returns once the engine admitted it. Raises InvalidRequest if it didn't."""
+                     params: SamplingParams, follows: str | None = None) -> RequestStream:
+        """Queue a request; returns once the engine admitted it. Raises InvalidRequest if it didn't.
+        follows: the first parallel sample's id, for the others of an n > 1 request (they share its prompt KV)."""
         if not self.alive:
             raise EngineDeadError(self.why_dead())
         self.check_queue()
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         admitted = self._loop.create_future()
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, admitted))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, admitted, follows))
         try:
             await admitted
         except asyncio.CancelledError:  # client left while the engine was busy: undo the add
@@ -301,7 +304,8 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - the server must report, not hang
             logger.exception("engine thread died")
             self.error = exc
-            dead = EngineDeadError(f"the engine failed: {exc!r}")
+            dead = EngineDeadError(f"the engine failed with an internal error ({type(exc).__name__}); the server's "
+                                   f"log has the details")
             self._loop.call_soon_threadsafe(self._fail_all, dead)
             while True:  # answer anything still queued so no handler waits forever
                 try:
@@ -333,7 +337,8 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_settle, cmd.done, result, error)
             elif isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                            **({"follows": cmd.follows} if cmd.follows else {}))
                 except Exception as exc:  # noqa: BLE001 - InvalidRequest -> 400, anything else -> 500
                     self._loop.call_soon_threadsafe(self._reject, cmd, exc)
                 else:

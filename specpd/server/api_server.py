@@ -39,7 +39,8 @@ from specpd.machine import huge_pages_status
 from specpd.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from specpd.server.metrics import ServerMetrics
 from specpd.server.protocol import ChatCompletionRequest, CompletionRequest, check_common, field_errors
-from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, sse
+from specpd.server.sample_streams import collect, merged, nth_sample
+from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, merged_usage, sse
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,15 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client hung up first"; no
 
 def create_app(engine, role: str = "unified", engine_priority: str = "normal",
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queued_requests: int | None = None,
-               api_key: str | None = None, engine_thread=None) -> FastAPI:
+               api_key: str | None = None, engine_thread=None,
+               served_model_names: tuple[str, ...] | list[str] | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface). The engine thread
     starts with the app's lifespan and stops with it. `api_key` guards /v1/* (PD workers sit behind the
     router and take none); `max_queued_requests` None: no limit. `engine_thread`: the EngineThread `engine` was
-    built on, to step it there (None: a thread of its own)."""
-    metrics = ServerMetrics(lambda: async_engine.stats(), engine.model_name)
+    built on, to step it there (None: a thread of its own). `served_model_names`: the names requests may give as
+    `model` (vLLM's and SGLang's --served-model-name); the first is the one responses carry (None: --model's)."""
+    served_model_names = tuple(served_model_names or ()) or (engine.model_name,)
+    metrics = ServerMetrics(lambda: async_engine.stats(), served_model_names[0])
     async_engine = AsyncEngine(engine, metrics, priority=engine_priority, max_queued=max_queued_requests,
                                thread=engine_thread)
 
@@ -76,8 +80,8 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
     app.state.engine = async_engine
     if hasattr(engine, "stages"):  # PD workers: the TTFT breakdown per stage (disagg/timeline.py)
         from specpd.disagg.timeline import StageCollector
-        metrics.registry.register(StageCollector(engine.stages, engine.model_name))
-    server = _Handlers(engine, async_engine, metrics, role)
+        metrics.registry.register(StageCollector(engine.stages, served_model_names[0]))
+    server = _Handlers(engine, async_engine, metrics, role, served_model_names)
 
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
@@ -118,18 +122,22 @@ def create_app(engine, role: str = "unified", engine_priority: str = "normal",
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, exc: Exception):
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {exc!r}", None, 500, "server_error"), status_code=500)
+    async def server_error(request: Request, exc: Exception):
+        # the client hears that it failed and where to look; what failed (the exception) stays in the log
+        logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__}) in {request.url.path}; the server's "
+                                       f"log has the details", None, 500, "server_error"), status_code=500)
 
     return app
 
 
 class _Handlers:
-    def __init__(self, engine, async_engine: AsyncEngine, metrics: ServerMetrics, role: str):
+    def __init__(self, engine, async_engine: AsyncEngine, metrics: ServerMetrics, role: str,
+                 served_model_names: tuple[str, ...]):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.model_name = engine.model_name
+        self.served_model_names = served_model_names  # a request may name any; responses carry the first
+        self.model_name = served_model_names[0]
         self.async_engine = async_engine
         self.metrics_registry = metrics
         self.role = role
@@ -143,7 +151,7 @@ class _Handlers:
     async def completions(self, raw: Request):
         req = await _parse(raw, CompletionRequest)
         self.async_engine.check_queue()
-        check_common(req, self.model_name)
+        self._check_common(req)
         prompt = req.single_prompt()
         params = req.to_sampling_params()
         await self._compile_constraint(req)
@@ -152,24 +160,31 @@ class _Handlers:
             prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
             prompt_ids = list(prompt)
-        formatter = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
-                                        params.logprobs, req.include_usage, self.speculative)
-        return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        formatters = [CompletionFormatter(request_id, self.model_name, self._token_text_for(req), params.logprobs,
+                                          req.include_usage, self.speculative, index=i) for i in range(req.n or 1)]
+        return await self._generate(raw, prompt_ids, params, formatters, bool(req.stream))
 
     async def chat_completions(self, raw: Request):
         req = await _parse(raw, ChatCompletionRequest)
         self.async_engine.check_queue()
-        check_common(req, self.model_name)
+        self._check_common(req)
         messages = req.template_messages()
         self._check_prompt_chars("messages", sum(len(m["content"]) for m in messages))
         prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, req.add_generation_prompt)
         params = req.to_sampling_params(default_max_tokens=self._room_left(len(prompt_ids)))
         await self._compile_constraint(req)
         tool = req.tool_call()
-        formatter = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self._token_text_for(req),
-                                  params.logprobs, req.include_usage, self.speculative,
-                                  tool_choice=tool[1] if tool else None)
-        return await self._generate(raw, prompt_ids, params, formatter, bool(req.stream))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        formatters = [ChatFormatter(request_id, self.model_name, self._token_text_for(req), params.logprobs,
+                                    req.include_usage, self.speculative, tool_choice=tool[1] if tool else None, index=i)
+                      for i in range(req.n or 1)]
+        return await self._generate(raw, prompt_ids, params, formatters, bool(req.stream))
+
+    def _check_common(self, req) -> None:
+        check_common(req, self.served_model_names)
+        if (req.n or 1) > 1 and self.role != "unified":  # the router sends P and D one sample at a time
+            raise InvalidRequest("n", f"a {self.role} server takes n=1 only (the router splits n > 1)")
 
     async def _compile_constraint(self, req) -> None:
         """Structured output: compile the constraint (cached) in a worker thread, so a slow schema never
@@ -210,24 +225,48 @@ class _Handlers:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _generate(self, raw: Request, prompt_ids: list[int], params: SamplingParams,
-                        formatter: CompletionFormatter | ChatFormatter, stream: bool) -> Response:
+                        formatters: list[CompletionFormatter] | list[ChatFormatter], stream: bool) -> Response:
+        """One request's parallel samples (n = len(formatters), one choice each; n > 1 on a unified server only):
+        each is its own engine request, the ones after the first sharing its prompt's KV pages."""
+        request_id = formatters[0].id
         if self.role in ("prefill", "decode"):
-            await self._bootstrap(raw, formatter.id)
+            await self._bootstrap(raw, request_id)
             stream = stream and self.role == "decode"  # P answers once the KV is handed off
-        request_stream = await self.async_engine.submit(formatter.id, prompt_ids, params)
+        ids = [request_id] if len(formatters) == 1 else [f"{request_id}-{i}" for i in range(len(formatters))]
+        streams: list[RequestStream] = []
+        try:
+            for i, child in enumerate(ids):
+                streams.append(await self.async_engine.submit(child, prompt_ids, nth_sample(params, i),
+                                                              follows=ids[0] if i else None))
+        except InvalidRequest as err:
+            self._abort(ids)
+            if err.field == "prompt" and isinstance(formatters[0], ChatFormatter):  # chat's prompt is its messages
+                raise InvalidRequest("messages", err.message) from None
+            raise
+        except BaseException:
+            self._abort(ids)
+            raise
         if stream:
             # The background task runs after the response ends however it ends, including a
             # disconnect before the first chunk (when the generator's finally never runs).
-            return StreamingResponse(self._sse(request_stream, formatter), media_type="text/event-stream",
-                                     background=BackgroundTask(self.async_engine.abort, formatter.id))
-        outputs = await self._collect(raw, request_stream)
+            return StreamingResponse(self._sse(streams, formatters), media_type="text/event-stream",
+                                     background=BackgroundTask(self._abort, ids))
+        outputs = await collect(raw, streams, self._abort)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if outputs[-1].error:
-            return JSONResponse(error_body(outputs[-1].error, None, 500, "server_error"), status_code=500)
-        body = (formatter.response(outputs) if formatter.top_logprobs is None  # logprobs: decodes each token
-                else await asyncio.to_thread(formatter.response, outputs))
+        if error := next((o[-1].error for o in outputs if o[-1].error), None):
+            return JSONResponse(error_body(error, None, 500, "server_error"), status_code=500)
+        bodies = [(f.response(o) if f.top_logprobs is None  # logprobs: decodes each token
+                   else await asyncio.to_thread(f.response, o)) for f, o in zip(formatters, outputs)]
+        body = bodies[0]
+        if len(bodies) > 1:
+            body["choices"] = [b["choices"][0] for b in bodies]
+            body["usage"] = merged_usage([o[-1] for o in outputs], formatters[0].speculative)
         return JSONResponse(body)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.async_engine.abort(request_id)
 
     async def _bootstrap(self, raw: Request, request_id: str) -> None:
         """PD roles: read the router's bootstrap fields; D also finds P and checks its config (400 on mismatch)."""
@@ -238,61 +277,43 @@ class _Handlers:
         else:
             self.engine.expect(request_id, info)
 
-    async def _sse(self, stream: RequestStream, formatter):
-        last: RequestOutput | None = None
+    async def _sse(self, streams: list[RequestStream], formatters):
+        """The parallel samples' chunks as they come, each under its choice index; then an error event if one
+        failed, else the usage chunk (include_usage); then [DONE]."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for out in stream:
-                last = out
-                chunks = (formatter.chunks(out) if formatter.top_logprobs is None  # logprobs: decodes tokens
-                          else await asyncio.to_thread(formatter.chunks, out))
+            async for i, out in merged(streams):
+                finals[i] = out
+                f = formatters[i]
+                chunks = (f.chunks(out) if f.top_logprobs is None  # logprobs: decodes tokens
+                          else await asyncio.to_thread(f.chunks, out))
                 for chunk in chunks:
                     yield sse(chunk)
-            if last is not None and last.error:
-                yield sse(error_body(last.error, None, 500, "server_error"))
-            elif formatter.include_usage and last is not None:
-                yield sse(formatter.usage_chunk(last))
+            if error := next((o.error for o in finals if o is not None and o.error), None):
+                yield sse(error_body(error, None, 500, "server_error"))
+            elif formatters[0].include_usage and all(o is not None for o in finals):
+                yield sse(formatters[0].usage_chunk(finals))
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), None, 503, "server_error"))
         finally:
-            if not stream.finished:  # the client went away (this generator was cancelled)
-                self.async_engine.abort(stream.request_id)
+            for s in streams:
+                if not s.finished:  # the client went away (this generator was cancelled)
+                    self.async_engine.abort(s.request_id)
         yield SSE_DONE
-
-    async def _collect(self, raw: Request, stream: RequestStream) -> list[RequestOutput] | None:
-        """Every output of a non-streaming request; None if the client hung up first (then aborted)."""
-        outputs: list[RequestOutput] = []
-
-        async def consume():
-            async for out in stream:
-                outputs.append(out)
-
-        consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_client_disconnected(raw))
-        try:
-            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not consumer.done():  # the client hung up (or this handler was cancelled)
-                consumer.cancel()
-                self.async_engine.abort(stream.request_id)
-        if consumer not in done:
-            return None
-        consumer.result()  # re-raises EngineDeadError
-        return outputs
 
     # -- info ------------------------------------------------------------------------------
     async def models(self):
+        root = getattr(self.engine.config, "model", self.model_name)
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.started, "owned_by": "specpd",
-            "root": getattr(self.engine.config, "model", self.model_name), "max_model_len": self.engine.max_model_len}]}
+            "id": name, "object": "model", "created": self.started, "owned_by": "specpd", "root": root,
+            "max_model_len": self.engine.max_model_len} for name in self.served_model_names]}
 
     async def health(self):
         if dead := self.async_engine.dead_ranks():
             return JSONResponse(error_body(f"tensor-parallel rank(s) {dead} of the engine exited: the server "
                                            f"cannot generate", None, 503, "server_error"), status_code=503)
         if not self.async_engine.alive:
-            return JSONResponse(error_body(f"engine thread is not running: {self.async_engine.error!r}",
-                                           None, 503, "server_error"), status_code=503)
+            return JSONResponse(error_body(self.async_engine.why_dead(), None, 503, "server_error"), status_code=503)
         return {"status": "ok"}
 
     async def metrics(self):
@@ -333,11 +354,3 @@ async def _parse(raw: Request, model: type[BaseModel]):
         return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as err:
         raise field_errors(err) from None
-
-
-async def _client_disconnected(raw: Request) -> None:
-    """Returns when the client closes the connection (the body has been read, so receive() waits)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -21,6 +21,7 @@ from specpd.grammar.tools import ToolChoice, tool_constraint
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
+MAX_N = 128  # parallel samples per request (OpenAI's limit)
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +44,7 @@ class _GenerationRequest(BaseModel):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     # extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -84,10 +86,25 @@ class _GenerationRequest(BaseModel):
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids is not None:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.logit_bias:
+            kwargs["logit_bias"] = _logit_bias(self.logit_bias)
         constraint = self.constraint()
         if constraint is not None:
             kwargs["constraint_kind"], kwargs["constraint_spec"] = constraint.kind, constraint.spec
         return kwargs
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; the values' range is SamplingParams.validate's, the
+    vocabulary's the engine's."""
+    pairs = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest("logit_bias", f"keys must be token ids (integers), got {_short(key)}") from None
+        pairs[token_id] = value
+    return tuple(sorted(pairs.items()))
 
 
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -126,6 +143,10 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# OpenAI's message roles ("function" is its older name for "tool", "developer" its newer one for "system")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... are passed to the template
     role: str
@@ -160,6 +181,9 @@ class ChatCompletionRequest(_GenerationRequest):
             raise InvalidRequest("messages", "must contain at least one message")
         out = []
         for i, msg in enumerate(self.messages):
+            if msg.role not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got "
+                                                            f"{_short(msg.role)}")
             content = msg.content
             if isinstance(content, list):
                 texts = []
@@ -190,13 +214,14 @@ class ChatCompletionRequest(_GenerationRequest):
             raise
 
 
-def check_common(req: _GenerationRequest, served_model: str) -> None:
-    """Rules the server enforces before sampling params: model name, n, echo, stream options."""
-    if req.model is not None and req.model != served_model:
-        raise InvalidRequest("model", f"the model {req.model!r} does not exist; this server serves "
-                                      f"{served_model!r}")
-    if req.n is not None and req.n != 1:
-        raise InvalidRequest("n", f"only n=1 is supported, got {req.n}")
+def check_common(req: _GenerationRequest, served_models: tuple[str, ...]) -> None:
+    """Rules the server enforces before sampling params: model name (any of the served names), n, echo, stream
+    options."""
+    if req.model is not None and req.model not in served_models:
+        raise InvalidRequest("model", f"the model {_short(req.model)} does not exist; this server serves "
+                                      f"{', '.join(map(repr, served_models))}")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise InvalidRequest("n", f"must be an integer in [1, {MAX_N}], got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options", "is only allowed when stream is true")
     if isinstance(req, CompletionRequest):

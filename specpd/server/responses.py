@@ -38,6 +38,20 @@ def usage(out: RequestOutput, speculative: bool = False) -> dict[str, Any]:
     return body
 
 
+def merged_usage(finals: list[RequestOutput], speculative: bool = False) -> dict[str, Any]:
+    """One usage for a request's parallel samples (their final outputs): the prompt counted once (as OpenAI
+    does), completion tokens and the acceptance counts summed, tau over all of them."""
+    if len(finals) == 1:
+        return usage(finals[0], speculative)
+    first = finals[0]
+    merged = RequestOutput(first.request_id, [], "", [t for f in finals for t in f.token_ids], "", True, None,
+                           first.num_prompt_tokens, spec_verify_count=sum(f.spec_verify_count for f in finals),
+                           spec_accepted_tokens=sum(f.spec_accepted_tokens for f in finals),
+                           spec_committed_tokens=sum(f.spec_committed_tokens for f in finals),
+                           num_cached_tokens=first.num_cached_tokens)
+    return usage(merged, speculative)
+
+
 def _logprob(value: float) -> float:
     return value if math.isfinite(value) else _NEG_INF_LOGPROB
 
@@ -47,7 +61,9 @@ class _Formatter:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, decode_token: Callable[[int], str],
-                 top_logprobs: int | None, include_usage: bool = False, speculative: bool = False):
+                 top_logprobs: int | None, include_usage: bool = False, speculative: bool = False, index: int = 0):
+        """index: the choice this formatter writes (n > 1: one formatter per parallel sample, one response id)."""
+        self.index = index
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -65,8 +81,8 @@ class _Formatter:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage(out, self.speculative)}
+    def usage_chunk(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object_name, []), "usage": merged_usage(finals, self.speculative)}
 
     def _logprobs_of(self, outputs: list[RequestOutput]) -> list[TokenLogprob]:
         return [lp for o in outputs for lp in (o.new_logprobs or [])]
@@ -96,7 +112,7 @@ class CompletionFormatter(_Formatter):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def _choice(self, text: str, lps: list[TokenLogprob], out: RequestOutput) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(lps),
+        return {"index": self.index, "text": text, "logprobs": self._logprobs(lps),
                 "finish_reason": out.finish_reason if out.finished else None,
                 "stop_reason": out.stop_reason if out.finished else None}
 
@@ -138,14 +154,14 @@ class ChatFormatter(_Formatter):
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         last = outputs[-1]
         message, finish_reason = self._message(last.text, last.finish_reason)
-        choice = {"index": 0, "message": message,
+        choice = {"index": self.index, "message": message,
                   "logprobs": self._logprobs(self._logprobs_of(outputs)),
                   "finish_reason": finish_reason, "stop_reason": last.stop_reason}
         return {**self._envelope(self.object_name, [choice]), "usage": usage(last, self.speculative)}
 
     def _delta_chunk(self, delta: dict[str, Any], logprobs: Any = None,
                      finish_reason: str | None = None, stop_reason: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         return self._chunk(choice)

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from specpd.core import InvalidRequest, RequestOutput, TokenLogprob
 from specpd.server.protocol import ChatCompletionRequest, CompletionRequest, check_common, field_errors
-from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, sse
+from specpd.server.responses import SSE_DONE, ChatFormatter, CompletionFormatter, merged_usage, sse
 
 
 def _parse_error(model, body) -> InvalidRequest:
@@ -60,7 +60,7 @@ def test_completion_sampling_params_defaults_and_extensions():
 def test_explicit_nulls_mean_defaults():
     req = CompletionRequest.model_validate({"prompt": "hi", "max_tokens": None, "temperature": None, "n": None,
                                             "stop": None, "stream": None, "logprobs": None})
-    check_common(req, "m")
+    check_common(req, ("m",))
     assert req.to_sampling_params().max_tokens == 16
 
 
@@ -73,6 +73,13 @@ def test_explicit_nulls_mean_defaults():
     ({"prompt": "x", "top_k": -4}, "top_k"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "seed": 2 ** 64}, "seed"),  # what torch.Generator takes: [-2^63, 2^64 - 1]
+    ({"prompt": "x", "seed": -2 ** 63 - 1}, "seed"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "NaN"}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "-Infinity"}}, "logit_bias"),
 ])
 def test_bad_sampling_values(body, field):
     with pytest.raises(InvalidRequest) as info:
@@ -82,20 +89,38 @@ def test_bad_sampling_values(body, field):
 
 @pytest.mark.parametrize("body, field", [
     ({"prompt": "x", "model": "gpt-4"}, "model"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_server_rules(body, field):
     with pytest.raises(InvalidRequest) as info:
-        check_common(CompletionRequest.model_validate(body), "served")
+        check_common(CompletionRequest.model_validate(body), ("served",))
     assert info.value.field == field
 
 
-def test_model_may_be_absent_or_equal():
-    check_common(CompletionRequest.model_validate({"prompt": "x"}), "served")
-    check_common(CompletionRequest.model_validate({"prompt": "x", "model": "served"}), "served")
+def test_model_may_be_absent_or_any_served_name():
+    for model in (None, "served", "alias"):
+        check_common(CompletionRequest.model_validate({"prompt": "x", "model": model, "n": 128}), ("served", "alias"))
+
+
+def test_seed_and_logit_bias_edges_are_accepted():
+    for seed in (2 ** 64 - 1, -2 ** 63, 0, -1):
+        assert CompletionRequest.model_validate({"prompt": "x", "seed": seed}).to_sampling_params().seed == seed
+    p = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"7": -100, "3": 100, "07": 2.5}}
+                                         ).to_sampling_params()
+    assert p.logit_bias == ((3, 100.0), (7, 2.5)) and p.adjusts_logits
+
+
+def test_unknown_chat_roles_are_refused():
+    for role in ("system", "developer", "user", "assistant", "tool", "function"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": role, "content": "hi"}]}).template_messages()
+    with pytest.raises(InvalidRequest) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "wizard", "content": "hi"}]}).template_messages()
+    assert info.value.field == "messages[1].role" and "wizard" in info.value.message
 
 
 @pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["a", "b"], [[1], [2]]])
@@ -171,7 +196,7 @@ def test_completion_response_and_chunks():
     assert [c["choices"][0]["text"] for c in chunks] == ["ab", "c"]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
     assert all(c["usage"] is None for c in chunks) and chunks[0]["choices"][0]["logprobs"] is None
-    assert fmt.usage_chunk(outs[-1])["choices"] == []
+    assert fmt.usage_chunk([outs[-1]])["choices"] == []
 
 
 def test_a_speculating_servers_usage_always_carries_the_acceptance_fields():
@@ -181,7 +206,7 @@ def test_a_speculating_servers_usage_always_carries_the_acceptance_fields():
     assert CompletionFormatter("c", "m", _tok, None, speculative=True).response(outs)["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0},
         "spec_verify_count": 0, "spec_accepted_tokens": 0, "spec_accept_length": None}
-    assert ChatFormatter("c", "m", _tok, None, True, speculative=True).usage_chunk(outs[-1])["usage"][
+    assert ChatFormatter("c", "m", _tok, None, True, speculative=True).usage_chunk([outs[-1]])["usage"][
         "spec_accept_length"] is None
     outs[-1].spec_verify_count, outs[-1].spec_accepted_tokens, outs[-1].spec_committed_tokens = 2, 1, 3
     usage = ChatFormatter("c", "m", _tok, None, speculative=True).response(outs)["usage"]
@@ -209,3 +234,16 @@ def test_infinite_logprob_is_json_safe():
     assert "Infinity" not in text and "-9999.0" in text
     for line in text.split("\n\n")[:-2]:
         json.loads(line.removeprefix("data: "))
+
+
+def test_parallel_samples_format_as_choices_of_one_response():
+    """n > 1: one formatter per sample writes its choice index; usage counts the prompt once and sums the rest."""
+    outs = _outputs()
+    assert ChatFormatter("c", "m", _tok, None, index=2).response(outs)["choices"][0]["index"] == 2
+    assert CompletionFormatter("c", "m", _tok, None, index=1).chunks(outs[0])[0]["choices"][0]["index"] == 1
+    second = _outputs()
+    second[-1].spec_verify_count, second[-1].spec_committed_tokens = 2, 3
+    usage = merged_usage([outs[-1], second[-1]], speculative=True)
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 6, 9)
+    assert (usage["spec_verify_count"], usage["spec_accept_length"]) == (2, 1.5)
+

@@ -16,8 +16,8 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="module")
 def server():
-    with launch_server(["--model", "default", "--max-model-len", str(MAX_MODEL_LEN),
-                        "--kv-cache-memory-mb", "64", "--log-level", "warning"]) as srv:
+    with launch_server(["--model", "default", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name",
+                        "smollm2", "default", "--kv-cache-memory-mb", "64", "--log-level", "warning"]) as srv:
         yield srv
 
 
@@ -170,6 +170,46 @@ def test_chat_logprobs(client):
         assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-4)
 
 
+# -- n > 1, served names, logit_bias -----------------------------------------------------------
+def test_parallel_samples(client):
+    """n seeded samples: choice i is what a request with seed + i gets alone; usage counts the prompt once."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    alone = [client.post("/v1/completions", json={**body, "seed": 11 + i}).json()["choices"][0]["text"]
+             for i in range(3)]
+    r = client.post("/v1/completions", json={**body, "n": 3})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in out["choices"]] == alone
+    single = client.post("/v1/completions", json=body).json()["usage"]
+    assert out["usage"]["prompt_tokens"] == single["prompt_tokens"] and out["usage"]["completion_tokens"] == 18
+
+
+def test_parallel_samples_stream(client):
+    body = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "n": 2, "ignore_eos": True}
+    expected = [c["message"]["content"] for c in client.post("/v1/chat/completions", json=body).json()["choices"]]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as r:
+        events = _sse(r)
+    texts, finished = ["", ""], set()
+    for c in events[:-2]:
+        choice = c["choices"][0]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert texts == expected and finished == {0, 1} and expected[0] == expected[1]  # greedy: the same text
+    assert events[-2]["usage"]["completion_tokens"] == 10 and events[-1] == "[DONE]"
+
+
+def test_logit_bias_steers_greedy_decoding(client):
+    tokens = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                  "logprobs": 0}).json()["choices"][0]["logprobs"]["tokens"]
+    forced = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                  "logit_bias": {"42": 100}, "return_tokens_as_token_ids": True,
+                                                  "logprobs": 0}).json()["choices"][0]["logprobs"]["tokens"]
+    assert forced == ["token_id:42"] * 3 and tokens != forced
+
+
 # -- errors ----------------------------------------------------------------------------------
 _TOO_LONG = [504] * (MAX_MODEL_LEN + 10)
 
@@ -189,7 +229,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/completions", {}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -229,8 +269,11 @@ def test_unknown_route_is_openai_shaped_404(client):
 def test_models(client, server):
     body = client.get("/v1/models").json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == [server["model"]]
+    assert [m["id"] for m in body["data"]] == [server["model"], "default"] == ["smollm2", "default"]
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    for alias in ("smollm2", "default"):  # any served name; the response carries the first
+        r = client.post("/v1/completions", json={"model": alias, "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == "smollm2"
 
 
 def test_server_info(client, server):

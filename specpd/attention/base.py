@@ -5,10 +5,16 @@ writes the new tokens' K/V into the pool, then attends over the paged KV. A back
 layer's unrotated fused qkv and the step's RopeBatch (`attend(qkv, rope, layer_id, meta, rows)`), to fuse
 RoPE and the KV write into its kernel (the cpu backend); the model uses `attend` where a backend has it. Heavy backends are imported
 lazily so that `--attention-backend torch` never imports triton or flashinfer.
+
+A backend whose kernel cannot run in this process (`unavailable()` says why: the C kernel did not build) is
+replaced, when it names a `fallback`, by that backend as the decoder or the draft is built, with one warning
+naming the reason; without one it is refused there. Never inside a step.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 from abc import ABC, abstractmethod
 
 import torch
@@ -16,9 +22,17 @@ import torch
 from specpd.attention.metadata import AttentionMetadata
 from specpd.kv.pool import KVPool
 
+logger = logging.getLogger(__name__)
+
 
 class AttentionBackend(ABC):
     name: str = ""
+    fallback: str | None = None  # the backend that serves in its place where this one is unavailable
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run in this process, or None: it can."""
+        return None
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, head_dim: int, sm_scale: float | None = None):
         self.kv_pool = kv_pool
@@ -45,7 +59,21 @@ _BACKENDS = {
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
+    """The backend registered as `name`, or its fallback where it cannot run here (module docstring)."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    backend = getattr(importlib.import_module(module), cls)
+    why = backend.unavailable()
+    if why is None:
+        return backend
+    if backend.fallback is None:
+        raise RuntimeError(f"attention backend {name!r} cannot run here: {why}")
+    _warn_fallback(name, backend.fallback, why)
+    return get_backend_class(backend.fallback)
+
+
+@functools.cache
+def _warn_fallback(name: str, fallback: str, why: str) -> None:
+    """Once a process: the target's and the draft's backends fall back alike."""
+    logger.warning("attention backend %r unavailable, using %r: %s", name, fallback, why)

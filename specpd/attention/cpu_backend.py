@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from specpd.attention.base import AttentionBackend
 from specpd.attention.metadata import AttentionMetadata
 from specpd.attention.reference import rope_ref
+from specpd.kernels import cpu_attention
 from specpd.kernels.cpu_attention import Prepared, paged_attention
 
 # a prompt chunk this large (half precision, no tree) attends through torch's SDPA: below ~400 x 400 its fixed
@@ -55,6 +56,12 @@ class _CpuPlan:
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    fallback = "torch"
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why the C kernel is missing (its build's logged error), or None: it loaded."""
+        return None if cpu_attention.available() else cpu_attention.why_unavailable()
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         slots = meta.write_pages * meta.page_size + meta.write_offsets

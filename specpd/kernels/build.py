@@ -6,13 +6,17 @@ this CPU's feature flags, so a cache directory shared by two machines never hand
 OpenMP: the library links libgomp by its soname, which torch has already loaded from its own lib/ (import
 torch first), so the kernels and torch share one thread pool and torch.set_num_threads governs both.
 ctypes releases the GIL for the call: HTTP and transfer threads run while a kernel does.
-Without a C compiler, or with SPECPD_C_KERNELS=0, `load` returns None and callers use torch.
+Without a C compiler, or with SPECPD_C_KERNELS=0, `load` returns None and callers use torch. So does a build that
+fails (a compiler too old for the CPU's intrinsics, a source missing from an install): it is logged once per
+library, as a warning with the command and the compiler's message, and `unavailable(filename)` says why to a
+caller that reports what it runs instead. Each caller asks when its backend or model is built, never in a step.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +25,8 @@ import tempfile
 import torch  # before any kernel loads: the kernels share torch's libgomp (its OpenMP pool)
 
 from specpd.machine import cache_root, cpu_flags, isa
+
+logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 
@@ -47,35 +53,89 @@ def source_path(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", name)
 
 
+_FAILED: dict[str, str] = {}  # filename -> why its library is not loaded, in a line (load's warning has it all)
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC (default cc), else gcc; None where neither is on PATH."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def unavailable(filename: str) -> str | None:
+    """Why `load(filename)` returned None, in a line (its warning has the command and the whole message), or
+    None: it loaded, or was not asked yet."""
+    return _FAILED.get(filename)
+
+
 @functools.cache
 def load(filename: str) -> ctypes.CDLL | None:
-    """csrc/`filename` compiled for this CPU (cached), or None where it cannot be built."""
+    """csrc/`filename` compiled for this CPU (cached), or None where it cannot be built (logged once, why kept
+    for `unavailable`)."""
     if os.environ.get("SPECPD_C_KERNELS", "1") == "0":
+        _FAILED[filename] = "SPECPD_C_KERNELS=0"
         return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
+        _FAILED[filename] = f"no C compiler ({os.environ.get('CC', 'cc')} or gcc) on PATH"
+        _warn_no_compiler(_FAILED[filename])
         return None
-    with open(source_path(filename), encoding="utf-8") as f:
-        source = f.read()
     csrc = os.path.dirname(source_path(filename))
-    # every other source in csrc/ too: a kernel may include another's .c (cpu_stack.c does)
-    headers = [open(os.path.join(csrc, h), encoding="utf-8").read() for h in sorted(os.listdir(csrc))
-               if h.endswith((".h", ".c")) and h != filename]
+    try:
+        with open(source_path(filename), encoding="utf-8") as f:
+            source = f.read()
+        # every other source in csrc/ too: a kernel may include another's .c (cpu_stack.c does)
+        headers = []
+        for name in sorted(os.listdir(csrc)):
+            if name.endswith((".h", ".c")) and name != filename:
+                with open(os.path.join(csrc, name), encoding="utf-8") as f:
+                    headers.append(f.read())
+    except OSError as err:  # an install that left csrc/ out, or part of it
+        return _fail(filename, f"cannot read its sources: {err}")
     key = "\n".join([source, *headers, " ".join(flags()), " ".join(sorted(cpu_flags())), cc])
     stem = os.path.splitext(filename)[0]
     path = os.path.join(cache_dir(), f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so")
     if not os.path.isfile(path):
-        try:
-            os.makedirs(cache_dir(), exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-                src, out = os.path.join(tmp, filename), os.path.join(tmp, stem + ".so")
-                with open(src, "w", encoding="utf-8") as f:
-                    f.write(source)
-                subprocess.run([cc, *flags(), "-I", csrc, "-o", out, src], check=True, capture_output=True, timeout=300)
-                os.replace(out, path)  # atomic: concurrent builders see the whole file or none
-        except (OSError, subprocess.SubprocessError):
-            return None
-    return switch_paths(ctypes.CDLL(path))
+        failed = _compile(cc, filename, source, csrc, path)
+        if failed is not None:
+            return _fail(filename, *failed)
+    try:
+        return switch_paths(ctypes.CDLL(path))
+    except OSError as err:  # a damaged or foreign file in the cache
+        return _fail(filename, f"cannot load {path}: {err}")
+
+
+def _compile(cc: str, filename: str, source: str, csrc: str, path: str) -> tuple[str, str] | None:
+    """Build the library at `path`; None, or why it failed: (the compiler's first error line, the command and
+    its whole message)."""
+    stem = os.path.splitext(filename)[0]
+    cmd = [cc, *flags(), "-I", csrc, "-o", stem + ".so", filename]
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            with open(os.path.join(tmp, filename), "w", encoding="utf-8") as f:
+                f.write(source)
+            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines() or ["(no message)"]
+                first = next((line for line in lines if "error" in line), lines[0])
+                return (f"the compiler failed: {first}",
+                        f"`{' '.join(cmd)}` exited with {proc.returncode}:\n" + "\n".join(lines)[:4000])
+            os.replace(os.path.join(tmp, stem + ".so"), path)  # atomic: concurrent builders see the file or none
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"the compiler did not run: {err}", f"`{' '.join(cmd)}` did not run: {err}"
+    return None
+
+
+def _fail(filename: str, why: str, details: str | None = None) -> None:
+    _FAILED[filename] = why
+    logger.warning("C kernel %s not built (its callers take their torch path): %s", filename, details or why)
+    return None
+
+
+@functools.cache
+def _warn_no_compiler(why: str) -> None:
+    """Once a process, not once a library: every kernel is off for the one reason."""
+    logger.warning("C kernels not built (their callers take their torch paths): %s", why)
 
 
 def switch_paths(lib: ctypes.CDLL) -> ctypes.CDLL:

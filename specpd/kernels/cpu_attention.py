@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from specpd.kernels.build import DTYPE_CODES, load
+from specpd.kernels.build import DTYPE_CODES, load, unavailable
 from specpd.kernels.build import INT64 as _I
 from specpd.kernels.build import VOID_P as _P
 
@@ -53,6 +53,19 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def why_unavailable() -> str:
+    """Why the kernel is not here (build.load's logged reason); CpuAttentionBackend names it as it falls back."""
+    return f"csrc/cpu_attention.c: {unavailable('cpu_attention.c') or 'not loaded'}"
+
+
+def _require():
+    """The kernel's entry point; a caller that did not check `available` first gets why it is missing."""
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError(f"the C attention kernel is not available: {why_unavailable()}")
+    return fn
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -77,7 +90,7 @@ def paged_attention(q: torch.Tensor | None, q_pos: torch.Tensor | None, k: torch
     page_size, Hkv, D] (a strided view is fine); qo_indptr [B + 1], kv_lens [B], page_table [B, max_pages]
     int32; tree_mask bool flat with tree_indptr [B + 1] int32 (or None). Returns out [Tq, Hq * D] in q's dtype
     (None when q is None: a write only)."""
-    fn = _kernel()
+    fn = _require()
     buf = layer_buffer
     dtype = buf.dtype
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -120,7 +133,7 @@ class Prepared:
                         (tree_indptr, torch.int32), (w_slots, torch.int64)):
             if t is not None and (t.dtype != want or not t.is_contiguous()):
                 raise ValueError(f"metadata tensors must be contiguous {want}, got {t.dtype}")
-        self.fn = _kernel()
+        self.fn = _require()
         self.buf, self.dtype, self.d, self.hkv, self.hq = buf, buf.dtype, buf.shape[-1], buf.shape[-2], num_q_heads
         self.keep = (w_slots, qo_indptr, kv_lens, page_table, tree_mask, tree_indptr)  # alive while in use
         self.layer_stride, self.kv_half = buf.stride(1), buf.stride(2)

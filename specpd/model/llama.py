@@ -293,6 +293,7 @@ class CausalLM(nn.Module):
         if self.quantized_head is None and self.lm_head is None and mkldnn_ok(self.embed_tokens.weight.dtype):
             self.packed_head = PackedLinear(self.embed_tokens.weight, None)
         self.cpu_stack = Stack.build(self)
+        cpu_ops.available()  # built now, not in the first step (a failed build is logged and torch takes the glue)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -114,7 +114,7 @@ class ModelRunner:
         """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""
         from specpd.machine import isa
         return {"num_threads": self.num_threads, "tp_size": self.config.tp_size, "dtype": self.config.dtype,
-                "device": str(self.device),
+                "device": str(self.device), "attention_backend": self.backend.name,
                 "cpu_isa": isa() if self.device.type == "cpu" else None}
 
     # -- per-request state -----------------------------------------------------------------

@@ -72,7 +72,7 @@ def instrument(engine: LLMEngine, clock=time.perf_counter) -> tuple[collections.
         if sr.policy is not None:
             parts.append((sr.policy, "plan", "policy_plan"))
     else:
-        parts.append((engine.runner, "build_inputs", "build_inputs"))
+        parts.append((engine.runner, "forward", "runner_forward"))  # inputs, plan and the model's forward
     for obj, attr, label in parts:
         timed(totals, counts, obj, attr, label, clock)
     return totals, counts

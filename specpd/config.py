@@ -223,7 +223,8 @@ class EngineConfig:
     # auto: bfloat16 where the CPU computes it natively (AMX / AVX512-BF16), else float32 (specpd.machine)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
-    # auto: cpu (the fused C kernel) on a CPU with a C compiler, else torch; flashinfer, else triton, on a GPU
+    # auto: cpu (the fused C kernel) on a CPU with a C compiler, else torch; on a GPU triton with CUDA graphs (it
+    # plans into their static buffers and has tree masks), without them flashinfer where installed, else triton
     attention_backend: str = "auto"  # auto | cpu | torch | triton | flashinfer
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's context length
@@ -234,6 +235,12 @@ class EngineConfig:
     # tensor-parallel ranks (specpd/model/tp.py): one process each, heads and MLP split, KV sharded by head;
     # --num-threads is then per rank (default: the cores / tp_size)
     tp_size: int = 1
+    # CUDA graphs (specpd/model/cuda_graphs.py): decode, verify and draft forwards of up to cuda_graph_max_bs
+    # requests replayed from graphs captured per batch-size bucket; None: on for a CUDA device at TP 1, else off
+    cuda_graphs: bool | None = None
+    cuda_graph_max_bs: int = 64
+    # test-only: the graphs' padded static-buffer path run eagerly, without capture (what a CPU can check)
+    cuda_graph_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -244,9 +251,18 @@ class EngineConfig:
 
         from specpd import machine
         dtype = machine.default_dtype(self.device) if self.dtype == "auto" else self.dtype
-        backend = (machine.default_attention_backend(self.device) if self.attention_backend == "auto"
-                   else self.attention_backend)
-        return replace(self, dtype=dtype, attention_backend=backend)
+        backend = self.attention_backend
+        if backend == "auto":
+            gpu_graphs = self.graphs and self.device != "cpu"
+            backend = "triton" if gpu_graphs else machine.default_attention_backend(self.device)
+        return replace(self, dtype=dtype, attention_backend=backend, cuda_graphs=self.graphs)
+
+    @property
+    def graphs(self) -> bool:
+        """CUDA graphs as resolved: --cuda-graphs if given, else on for a CUDA device at tensor-parallel size 1."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return self.device.startswith("cuda") and self.tp_size == 1
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -9,6 +9,12 @@ lazily so that `--attention-backend torch` never imports triton or flashinfer.
 A backend whose kernel cannot run in this process (`unavailable()` says why: the C kernel did not build) is
 replaced, when it names a `fallback`, by that backend as the decoder or the draft is built, with one warning
 naming the reason; without one it is refused there. Never inside a step.
+
+Capabilities, read at start-up (specpd/model/cuda_graphs.py `check_config` refuses a configuration that needs
+one its backend lacks, naming both settings): `tree_masks`, attention with a speculative tree's mask;
+`static_plan`, `plan_static(meta, max_kv_len)`, which plans a padded batch whose tensors are fixed buffers
+(specpd/attention/static.py) so that everything its forward reads is the same storage on every step for the
+same shape, with no host value that changes between steps of that shape: what a CUDA graph replays.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ logger = logging.getLogger(__name__)
 class AttentionBackend(ABC):
     name: str = ""
     fallback: str | None = None  # the backend that serves in its place where this one is unavailable
+    tree_masks: bool = True  # attends with AttentionMetadata's tree masks (speculative trees)
+    static_plan: bool = False  # implements plan_static (CUDA graphs)
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -43,6 +51,12 @@ class AttentionBackend(ABC):
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Prepare per-batch state (index tensors, kernel workspaces). Returns meta with `plan` set."""
         return meta
+
+    def plan_static(self, meta: AttentionMetadata, max_kv_len: int) -> AttentionMetadata:
+        """Plan a padded batch (every request `meta.max_q_len` rows) whose tensors are a graph's fixed buffers,
+        into fixed buffers of this backend's, from host values that depend only on the batch's shape
+        (max_kv_len: the longest KV any of its requests may have)."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot plan into static buffers")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

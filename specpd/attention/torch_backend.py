@@ -11,10 +11,15 @@ CPU speed notes (SmolLM2-135M, 1 thread): pages are gathered with `index_select`
 `k_cache[pages]` advanced indexing on the strided pool view); SDPA always gets 4-D tensors (3-D
 ones fall back to the slow math kernel); the padded mask is built once per step as an additive
 float mask in the pool's dtype (a bool mask is converted by SDPA in every layer).
+
+Under a CUDA graph (`plan_static`) a padded batch (specpd/attention/static.py) is one padded SDPA call over
+every request and the graph's longest KV, positions past a request's KV masked; its index and mask tensors are
+copied into buffers kept per shape, so the replayed forward reads the same storage every step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +90,31 @@ def _tree_block(meta: AttentionMetadata, tree_indptr: list[int] | None, b: int) 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    static_plan = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._static: dict[tuple, _Padded] = {}  # plan_static's buffers, per shape
+
+    def plan_static(self, meta: AttentionMetadata, max_kv_len: int) -> AttentionMetadata:
+        bs = meta.batch_size
+        indptr = list(accumulate(meta.q_lens_host, initial=0))
+        tree_indptr = None
+        if meta.tree_mask is not None:  # a padded batch's blocks are all one size
+            cells = meta.tree_mask.numel() // bs
+            tree_indptr = list(range(0, cells * bs + 1, cells))
+        pad = self._plan_padded(meta, list(range(bs)), indptr, tree_indptr,
+                                n_pages=-(-max_kv_len // meta.page_size))
+        key = (pad.rows.shape, pad.mask.shape, pad.pages.shape, pad.mask.dtype)
+        kept = self._static.get(key)
+        if kept is None:
+            kept = self._static[key] = pad
+        else:
+            for name in ("rows", "pages", "mask", "folded"):
+                if getattr(pad, name) is not None:
+                    getattr(kept, name).copy_(getattr(pad, name))
+        meta.plan = _TorchPlan([kept], [])
+        return meta
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         indptr = meta.qo_indptr.tolist()
@@ -115,11 +145,13 @@ class TorchAttentionBackend(AttentionBackend):
         meta.plan = _TorchPlan(padded, long)
         return meta
 
-    def _plan_padded(self, meta, seqs: list[int], indptr: list[int], tree_indptr) -> _Padded:
+    def _plan_padded(self, meta, seqs: list[int], indptr: list[int], tree_indptr, n_pages: int | None = None
+                     ) -> _Padded:
+        """n_pages: each sequence's pages attended (default: the longest KV's; pages past a KV are masked)."""
         q_lens = [meta.q_lens_host[b] for b in seqs]
         kv_lens = [meta.kv_lens_host[b] for b in seqs]
         q_max, kv_max = max(q_lens), max(kv_lens)
-        n_pages = (kv_max + meta.page_size - 1) // meta.page_size
+        n_pages = n_pages or (kv_max + meta.page_size - 1) // meta.page_size
         # last visible slot of each query row: causal with the prefix offset; a padding row sees slot 0
         # only (no NaN; its output is dropped). Built from host lists: a few small tensor ops per step.
         last = torch.tensor([[kv - q + j if j < q else 0 for j in range(q_max)] for q, kv in zip(q_lens, kv_lens)])

@@ -12,6 +12,8 @@ Drafting, per round (S = num_steps, K = topk):
            it) at draft position start + s - 1, take each node's top-k; a chain (K = 1) writes slot
            start + s - 1 with plain causal attention, a tree writes frontier f at slot
            start + (s-1)K + f and sees only its ancestors' scratch slots.
+With CUDA graphs (specpd/model/cuda_graphs.py) an extend of up to a tree's rows per request and every draft step
+are replayed from graphs of the draft's own (`_run`); longer extends run eagerly.
 """
 from __future__ import annotations
 
@@ -26,14 +28,17 @@ from specpd.draft.proposer import DraftExtend, DraftState, Proposer
 from specpd.grammar.matcher import mask_after
 from specpd.kernels.cpu_linear import pack_linears, weights_on_huge_pages
 from specpd.kv.pool import KVPool
+from specpd.model.cuda_graphs import GraphSettings
 from specpd.model.llama import OutputRows
 from specpd.verify.tree import DraftTree, TreeBuilder, draft_logp, root_only
 
 
 class EagleProposer(Proposer):
     def __init__(self, draft: DraftModel, target_pool: KVPool, attention_backend: str,
-                 num_steps: int, topk: int, num_draft_tokens: int, pool: KVPool | None = None):
-        """`pool`: the draft's layers inside the target's pages (KVPool.layers_of); None: a parallel pool."""
+                 num_steps: int, topk: int, num_draft_tokens: int, pool: KVPool | None = None,
+                 graphs: GraphSettings | None = None):
+        """`pool`: the draft's layers inside the target's pages (KVPool.layers_of); None: a parallel pool.
+        `graphs`: the engine's CUDA graph settings (None: every forward eager)."""
         super().__init__(num_steps, topk, num_draft_tokens)
         self.draft = draft
         cfg = draft.config
@@ -46,6 +51,13 @@ class EagleProposer(Proposer):
             draft.cpu_stack = Eagle3Stack.build(draft)  # EAGLE-3's forward in one C call where it applies
             weights_on_huge_pages(draft)
         self._draft_ids: torch.Tensor | None = None  # [draft vocab] target ids (d2t), built when a grammar needs it
+        self.graphs = None
+        if graphs is not None:  # extends of up to a tree's rows, steps of a frontier (K rows, sK mask columns)
+            self.graphs = graphs.runner(self._graph_forward, self.backend, [1, topk, num_draft_tokens],
+                                        max(num_draft_tokens, topk * topk * max(1, num_steps - 1)))
+
+    def _graph_forward(self, input_ids, positions, meta, hidden, rows, variant):
+        return (self.draft(input_ids, hidden, positions, self.backend, meta, step=variant[0], rows=rows),)
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -60,6 +72,11 @@ class EagleProposer(Proposer):
              last_only: bool = False):
         """The draft forward -> hidden [T, H]; last_only: [len(q_lens), H] at each item's last row (every
         row's K/V is still written; the draft's last layer attends and projects only those rows)."""
+        if self.graphs is not None:
+            out = self.graphs.run(token_ids, positions, q_lens, kv_lens, pages, tree_masks, hidden=hidden,
+                                  last_only=last_only, variant=(step,))
+            if out is not None:
+                return out[0]
         meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=pages,
                                        page_size=self.pool.page_size, device=self.device,
                                        tree_masks=tree_masks)

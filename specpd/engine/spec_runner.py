@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from specpd.attention.metadata import AttentionMetadata
 from specpd.core import ScheduledBatch, ScheduledItem
 from specpd.draft.eagle_proposer import EagleProposer
 from specpd.draft.hybrid import HybridProposer
@@ -273,16 +272,11 @@ class SpecRunner(TreeVerifier, DeferredExtends):
         return results
 
     def _target_forward(self, ids, positions, q_lens, kv_lens, page_lists, masks, logit_rows):
-        """hidden [N, H], draft features [N, H_in], logits [len(logit_rows), vocab] fp32."""
+        """hidden [N, H], draft features [N, H_in], logits [len(logit_rows), vocab] fp32 (the forward replayed
+        from a CUDA graph where one fits: ModelRunner.forward)."""
         runner = self.runner
-        meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=page_lists,
-                                       page_size=runner.kv_pool.page_size, device=runner.device,
-                                       tree_masks=masks)
-        runner.backend.plan(meta)
         aux = self.proposer.aux_layer_ids
-        hidden, captured = runner.model(torch.tensor(ids, device=runner.device),
-                                        torch.tensor(positions, device=runner.device),
-                                        runner.backend, meta, capture_layers=aux)
+        hidden, captured = runner.forward(ids, positions, q_lens, kv_lens, page_lists, masks, capture_layers=aux)
         features = torch.cat(captured, dim=-1) if aux else hidden  # what the draft consumes
         logits = runner.model.compute_logits(hidden[logit_rows]) if logit_rows else hidden.new_zeros(0, 0)
         return hidden, features, logits
@@ -323,7 +317,8 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         shared = None
         if runner.tp is None and pool.extra_layers == draft.config.num_layers:
             shared = KVPool.layers_of(pool)
-        proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared)
+        proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared,
+                                 graphs=runner.graph_settings)
         if spec.hybrid:
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
     spec_runner = SpecRunner(runner, proposer)

@@ -1,7 +1,8 @@
 """Model runner: owns the model, the KV pool, the attention backend and every tensor.
 
 It turns a ScheduledBatch (plain Python) into input tensors and attention metadata, runs one
-forward, and samples one token for each item that reached the end of its sequence.
+forward, and samples one token for each item that reached the end of its sequence. With CUDA graphs
+(specpd/model/cuda_graphs.py) a forward whose batch fits a graph is replayed from it (`forward`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specpd.grammar.matcher import mask_logits
 from specpd.kernels.kv_compact import compact_pool
 from specpd.kv.pool import DTYPES, KVPool
 from specpd.machine import default_threads
+from specpd.model.cuda_graphs import check_config as check_graph_config, graph_settings
 from specpd.model.decoder import build_decoder
 from specpd.model.loader import Checkpoint
 from specpd.model.quant import check_config as check_quant_config
@@ -46,6 +48,7 @@ class ModelRunner:
         pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
         pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
         config = config.resolved()
+        check_graph_config(config)  # a configuration that cannot run is refused here, never inside a step
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -56,13 +59,28 @@ class ModelRunner:
         torch.set_num_threads(self.num_threads)
         torch.manual_seed(config.seed)
         self.tp = None
+        self.graphs = self.graph_settings = None
         if config.tp_size != 1:
             self._init_tensor_parallel(config, checkpoint, max_model_len, kv_extra_layers, pd_role)
             return
         self.model, self.kv_pool, self.backend = build_decoder(
             config, self.model_config, checkpoint.weights, max_model_len, self.device, self.dtype, pack=pack,
             kv_extra_layers=kv_extra_layers)
+        self._init_graphs(config, max_model_len)
         self._init_host_state(config)
+
+    def _init_graphs(self, config: EngineConfig, max_model_len: int) -> None:
+        """The decoder's graph runner: decode rows, and verify rows up to a tree's nodes (None: graphs off)."""
+        spec = config.spec
+        tree = spec.num_draft_tokens if spec.enabled else 1
+        self.graph_settings = graph_settings(config, self.kv_pool, max_model_len,
+                                             tree + (spec.num_steps * spec.topk if spec.enabled else 0))
+        if self.graph_settings is not None:
+            self.graphs = self.graph_settings.runner(self._graph_forward, self.backend, [1, tree], tree * tree)
+
+    def _graph_forward(self, input_ids, positions, meta, hidden, rows, variant):
+        hidden, captured = self.model(input_ids, positions, self.backend, meta, capture_layers=variant[0])
+        return (hidden, *captured)
 
     def _init_tensor_parallel(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
                               kv_extra_layers: int, pd_role: str | None) -> None:
@@ -145,27 +163,31 @@ class ModelRunner:
             offset += it.num_tokens
 
     # -- one step --------------------------------------------------------------------------
-    def build_inputs(self, batch: ScheduledBatch):
-        ids: list[int] = []
-        positions: list[int] = []
-        for it in batch.items:
-            all_ids = it.request.all_token_ids
-            ids.extend(all_ids[it.start:it.start + it.num_tokens])
-            positions.extend(range(it.start, it.start + it.num_tokens))
-        meta = AttentionMetadata.build(
-            q_lens=[it.num_tokens for it in batch.items],
-            kv_lens=[it.start + it.num_tokens for it in batch.items],
-            page_lists=[it.request.pages for it in batch.items],
-            page_size=self.kv_pool.page_size, device=self.device)
-        return (torch.tensor(ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+    def forward(self, ids: list[int], positions: list[int], q_lens: list[int], kv_lens: list[int],
+                page_lists: list[list[int]], tree_masks=None, capture_layers: tuple[int, ...] = ()):
+        """The decoder over one step's rows -> (hidden [N, H], the captured layers' inputs [N, H] each): replayed
+        from a CUDA graph where one fits the batch, else eagerly."""
+        if self.graphs is not None:
+            out = self.graphs.run(ids, positions, q_lens, kv_lens, page_lists, tree_masks,
+                                  variant=(tuple(capture_layers),))
+            if out is not None:
+                return out[0], list(out[1:])
+        meta = AttentionMetadata.build(q_lens=q_lens, kv_lens=kv_lens, page_lists=page_lists,
+                                       page_size=self.kv_pool.page_size, device=self.device, tree_masks=tree_masks)
+        self.backend.plan(meta)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
+                          torch.tensor(positions, dtype=torch.long, device=self.device), self.backend, meta,
+                          capture_layers=capture_layers)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> StepResult:
-        input_ids, positions, meta = self.build_inputs(batch)
-        self.backend.plan(meta)
+        items = batch.items
         capture = self.handoff_capture
-        hidden, captured = self.model(input_ids, positions, self.backend, meta, capture_layers=capture or ())
+        hidden, captured = self.forward(
+            [t for it in items for t in it.request.all_token_ids[it.start:it.start + it.num_tokens]],
+            [p for it in items for p in range(it.start, it.start + it.num_tokens)], [it.num_tokens for it in items],
+            [it.start + it.num_tokens for it in items], [it.request.pages for it in items],
+            capture_layers=capture or ())
         if capture is not None:
             self._keep_handoff_features(batch, torch.cat(captured, dim=-1) if capture else hidden)
         return self.sample_items(batch.items, [it.num_tokens for it in batch.items], hidden, suppress)

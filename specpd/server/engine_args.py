@@ -24,7 +24,8 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
                   "AVX512-BF16), else float32; bfloat16 on a GPU",
          "device": "where the model runs",
          "attention_backend": "auto: cpu (the fused C kernel) on a CPU with a C compiler, else torch (the "
-                              "reference); on a GPU flashinfer where installed, else triton",
+                              "reference); on a GPU triton with CUDA graphs, without them flashinfer where "
+                              "installed, else triton",
          "seed": "engine seed (generate: also the request's sampling seed)",
          "max_model_len": "longest prompt + output a request may have (default: the model's context length)",
          "quantization": "weight-only quantization of the decoder's linears and LM head (needs --dtype "
@@ -33,6 +34,12 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
                         "else every core the process may use; --disagg divides the cores between P and D)",
          "tp_size": "tensor-parallel ranks, one process each, heads and MLP split, KV sharded by KV head; must "
                     "divide the query heads, KV heads and MLP width",
+         "cuda_graphs": "replay decode, verify and draft forwards from CUDA graphs captured per batch-size bucket "
+                        "(padded to it; larger batches and prefill chunks run eagerly); needs an attention backend "
+                        "that plans into static buffers (triton, torch) and --tp-size 1 (default: on for --device "
+                        "cuda at --tp-size 1, else off)",
+         "cuda_graph_max_bs": "the largest batch (requests) replayed from a graph; buckets are 1, 2, 4, then every 8",
+         "cuda_graph_eager": "tests: run the graphs' padded static-buffer path without capturing (on any device)",
          "page_size": "tokens per KV page",
          "kv_cache_memory_mb": "KV pool size; the page count follows from it (draft layers included)",
          "num_pages": "KV pages to allocate (overrides --kv-cache-memory-mb)",

@@ -5,7 +5,11 @@
    BatchDecodeWithPagedKVCacheWrapper when every sequence has one query, otherwise
    BatchPrefillWithPagedKVCacheWrapper (ragged queries over paged KV, causal). FlashInfer's causal
    mask is bottom-right aligned, i.e. query j of a sequence sits at kv_len - q_len + j, exactly the
-   reference semantics. Both wrappers share one float workspace: only one runs per batch.
+   reference semantics. Both wrappers share one float workspace: only one runs per batch. A batch with tree
+   masks (speculative verify, tree draft steps) takes the prefill wrapper with FlashInfer's custom mask
+   (`flashinfer_custom_mask`: each sequence's [q_len, kv_len] visibility, row-major, the prefix visible and
+   the tree block over the last positions, causal for a sequence without one), which FlashInfer then reads
+   instead of its causal flag.
 2. forward(q, k, v, layer), once per layer: write this step's K/V into the pool, then run the
    planned wrapper on that layer's K and V.
 
@@ -17,6 +21,9 @@ page / token / head strides from the tensors (`paged_kv_t` in include/flashinfer
 and only requires K and V to have identical strides, which two views of one buffer do. The
 cuDNN / trtllm-gen kernels that `backend="auto"` may pick on Blackwell were not checked for
 strided pages, so there we pin FlashInfer's own "fa2" kernels.
+
+Not graph-capturable here (`static_plan` is False): FlashInfer's wrappers keep the plan in buffers of their own
+and need `use_cuda_graph=True` wrappers per batch size; `--cuda-graphs` with this backend is refused at start-up.
 
 flashinfer is imported inside __init__ only: `--attention-backend torch` never imports it, and on
 CPU this module is importable for the plan-input checks (DESIGN.md §7).
@@ -80,6 +87,24 @@ def flashinfer_plan_inputs(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
     }
 
 
+def flashinfer_custom_mask(meta: AttentionMetadata) -> torch.Tensor | None:
+    """[sum over sequences of q_len * kv_len] bool on page_table's device: what each query sees, row-major per
+    sequence, sequences concatenated (FlashInfer's custom mask layout); None without tree masks."""
+    if meta.tree_mask is None:
+        return None
+    tree, indptr = meta.tree_mask.cpu(), meta.tree_mask_indptr.tolist()
+    parts = []
+    for b, (q_len, kv_len) in enumerate(zip(meta.q_lens_host, meta.kv_lens_host)):
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool)  # [q_len, kv_len]
+        if indptr[b + 1] > indptr[b]:
+            block = tree[indptr[b]:indptr[b + 1]].view(q_len, -1)  # [q_len, width] over the last width positions
+        else:
+            block = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        visible[:, kv_len - block.shape[1]:] = block
+        parts.append(visible.reshape(-1))
+    return torch.cat(parts).to(meta.page_table.device)
+
+
 def _import_flashinfer():
     try:
         import flashinfer
@@ -133,15 +158,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._active_plan: _FlashInferPlan | None = None
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if meta.tree_mask is not None:
-            # never fall back to causal attention silently: tree verify would accept wrong tokens
-            raise NotImplementedError("the flashinfer backend does not take tree masks yet; use "
-                                      "--attention-backend triton or torch with speculative decoding trees")
         pool = self.kv_pool
         inputs = flashinfer_plan_inputs(meta)
         shape = (self.num_q_heads, pool.kv_heads, self.head_dim, meta.page_size)
         dtypes = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self.sm_scale)
-        if meta.is_decode:
+        custom_mask = flashinfer_custom_mask(meta)
+        if custom_mask is not None:  # a tree: FlashInfer reads the mask, not the causal flag
+            inputs["custom_mask"] = custom_mask
+            wrapper = self._prefill
+            wrapper.plan(inputs["qo_indptr"], inputs["paged_kv_indptr"], inputs["paged_kv_indices"],
+                         inputs["paged_kv_last_page_len"], *shape, custom_mask=custom_mask, causal=False, **dtypes)
+        elif meta.is_decode:
             wrapper = self._decode
             wrapper.plan(inputs["paged_kv_indptr"], inputs["paged_kv_indices"],
                          inputs["paged_kv_last_page_len"], *shape, **dtypes)

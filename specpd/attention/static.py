@@ -105,7 +105,7 @@ def _tree_blocks(q_lens, kv_lens, kv_pad, masks, bucket: int, width: int, mask_w
         blocks[b, :, :block_col] = True
         blocks[b, :q, block_col:block_col + real.shape[1]] = real.to("cpu")
         blocks[b, q:, block_col:block_col + real.shape[1]] = False
-        blocks[b, q:, mask_width - width + own[q:]] = True
+        blocks[b, own[q:], mask_width - width + own[q:]] = True
     return blocks
 
 

@@ -1,6 +1,7 @@
 """FlashInfer backend: plan inputs and error paths on CPU; outputs against the torch reference on GPU.
 
-CPU (always): flashinfer_plan_inputs against hand-computed values and against the page table;
+CPU (always): flashinfer_plan_inputs against hand-computed values and against the page table; tree masks as
+FlashInfer's custom mask (each sequence's [q_len, kv_len] visibility) against the reference's;
 constructing the backend without CUDA, or without flashinfer, fails with a clear error.
 CPU, flashinfer installed: FlashInfer's own seq-len helper and wrapper signatures agree with us.
 GPU + flashinfer: prefill/mixed and pure-decode batches match paged_attention_ref.
@@ -13,10 +14,11 @@ import torch
 
 from specpd.attention.base import get_backend_class
 from specpd.attention.flashinfer_backend import (
-    FlashInferAttentionBackend, _import_flashinfer, flashinfer_plan_inputs)
+    FlashInferAttentionBackend, _import_flashinfer, flashinfer_custom_mask, flashinfer_plan_inputs)
 from specpd.attention.metadata import AttentionMetadata
 from specpd.attention.reference import paged_attention_ref
 from specpd.kv.pool import KVPool
+from tests.kernels.test_tree_attention import ancestor_mask, random_parents, shuffled
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="flashinfer kernels need a CUDA GPU")
 
@@ -134,12 +136,13 @@ class _FakePagedWrapper:
     def __init__(self, workspace, kv_layout, **kwargs):
         assert kv_layout == "NHD"
 
-    def plan(self, *args, q_data_type, kv_data_type, sm_scale, causal=None):
+    def plan(self, *args, q_data_type, kv_data_type, sm_scale, causal=None, custom_mask=None):
         if len(args) == 7:  # decode: one query per sequence
             indptr = args[0]
             args = (torch.arange(len(indptr), dtype=torch.int32),) + args
         else:
-            assert causal is True
+            assert causal is (custom_mask is None)  # FlashInfer reads a custom mask instead of the causal flag
+        self.custom_mask = custom_mask
         self.qo_indptr, self.kv_indptr, self.indices, self.last_page_len = args[:4]
         self.page_size = args[7]
         self.dtypes, self.sm_scale = (q_data_type, kv_data_type), sm_scale
@@ -149,12 +152,17 @@ class _FakePagedWrapper:
         assert (q.dtype, k_cache.dtype) == self.dtypes and k_cache.stride() == v_cache.stride()
         out = torch.empty_like(q)
         qo, kv = self.qo_indptr.tolist(), self.kv_indptr.tolist()
+        mask_at = 0
         for b, last in enumerate(self.last_page_len.tolist()):
             pages = self.indices[kv[b]:kv[b + 1]]
             kv_len = (len(pages) - 1) * self.page_size + last
+            q_len = qo[b + 1] - qo[b]
+            mask = None  # FlashInfer's custom mask: [q_len, kv_len] per sequence, row-major, concatenated
+            if self.custom_mask is not None:
+                mask, mask_at = self.custom_mask[mask_at:mask_at + q_len * kv_len], mask_at + q_len * kv_len
             out[qo[b]:qo[b + 1]] = paged_attention_ref(
-                q[qo[b]:qo[b + 1]], k_cache, v_cache, torch.tensor([0, qo[b + 1] - qo[b]]),
-                torch.tensor([kv_len]), pages[None], self.sm_scale)
+                q[qo[b]:qo[b + 1]], k_cache, v_cache, torch.tensor([0, q_len]), torch.tensor([kv_len]), pages[None],
+                self.sm_scale, mask, None if mask is None else torch.tensor([0, mask.numel()]))
         return out
 
 
@@ -162,7 +170,21 @@ class _FakeDecodeWrapper(_FakePagedWrapper):
     pass
 
 
-@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_custom_mask_is_each_sequences_visibility():
+    """prefix visible, then the tree block over the last positions; a sequence without one causal."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    wide = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)  # a draft step's [2, 4] block
+    meta = AttentionMetadata.build(q_lens=[3, 2, 2], kv_lens=[5, 2, 6], page_lists=[[1, 2], [3], [4, 5]],
+                                   page_size=4, tree_masks=[tree, None, wide])
+    mask = flashinfer_custom_mask(meta)
+    assert mask.dtype == torch.bool and mask.numel() == 3 * 5 + 2 * 2 + 2 * 6
+    assert mask[:15].view(3, 5).int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    assert mask[15:19].view(2, 2).int().tolist() == [[1, 0], [1, 1]]
+    assert mask[19:].view(2, 6).int().tolist() == [[1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
+    assert flashinfer_custom_mask(AttentionMetadata.build([2], [4], [[0]], 4)) is None
+
+
+@pytest.mark.parametrize("batch", ["mixed", "decode", "trees"])
 def test_backend_wiring_with_fake_flashinfer_on_cpu(batch, monkeypatch):
     from types import SimpleNamespace
 
@@ -173,7 +195,7 @@ def test_backend_wiring_with_fake_flashinfer_on_cpu(batch, monkeypatch):
     monkeypatch.setattr(fib, "_import_flashinfer", lambda: fake)
     monkeypatch.setattr(fib, "_kernel_backend", lambda device: "auto")
     monkeypatch.setattr(fib, "WORKSPACE_BYTES", 16)
-    q_lens, kv_lens, _ = BATCHES[batch]
+    q_lens, kv_lens, _ = BATCHES["mixed" if batch == "trees" else batch]
     page_size, q_heads, kv_heads, head_dim, num_layers = 16, 4, 2, 8, 2
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(num_pages=40, num_layers=num_layers, page_size=page_size, kv_heads=kv_heads,
@@ -182,7 +204,10 @@ def test_backend_wiring_with_fake_flashinfer_on_cpu(batch, monkeypatch):
     free = torch.randperm(40, generator=gen).tolist()
     page_lists = [[free.pop() for _ in range(-(-kv // page_size) + 1)] for kv in kv_lens]
     backend = FlashInferAttentionBackend(pool, num_q_heads=q_heads, head_dim=head_dim)
-    meta = backend.plan(AttentionMetadata.build(q_lens, kv_lens, page_lists, page_size))
+    masks = None
+    if batch == "trees":  # verify trees (nodes out of order) beside a decode row and a causal extend
+        masks = [shuffled(ancestor_mask(random_parents(q, gen)), gen) if q > 2 else None for q in q_lens]
+    meta = backend.plan(AttentionMetadata.build(q_lens, kv_lens, page_lists, page_size, tree_masks=masks))
     assert isinstance(meta.plan.wrapper, _FakeDecodeWrapper) == (batch == "decode")
     for layer in range(num_layers):
         q = torch.randn(sum(q_lens), q_heads, head_dim, generator=gen)  # fp32 in, fp16 pool
@@ -191,7 +216,8 @@ def test_backend_wiring_with_fake_flashinfer_on_cpu(batch, monkeypatch):
         assert out.dtype == torch.float32
         torch.testing.assert_close(pool.k_cache(layer)[meta.write_pages, meta.write_offsets], k.half())
         ref = paged_attention_ref(q.half(), pool.k_cache(layer), pool.v_cache(layer), meta.qo_indptr,
-                                  meta.kv_lens, meta.page_table, backend.sm_scale)
+                                  meta.kv_lens, meta.page_table, backend.sm_scale, meta.tree_mask,
+                                  meta.tree_mask_indptr)
         torch.testing.assert_close(out, ref.float())
 
 
@@ -220,7 +246,7 @@ def test_flashinfer_wrapper_signatures():
 # ---- GPU: the backend against the torch reference ----
 
 def _run_batch(q_lens, kv_lens, extra_pages, dtype, q_heads=8, kv_heads=2, head_dim=64,
-               page_size=16, num_layers=3, seed=0):
+               page_size=16, num_layers=3, seed=0, trees=False):
     gen = torch.Generator().manual_seed(seed)
     dev = "cuda"
     pool = KVPool(num_pages=64, num_layers=num_layers, page_size=page_size, kv_heads=kv_heads,
@@ -231,7 +257,9 @@ def _run_batch(q_lens, kv_lens, extra_pages, dtype, q_heads=8, kv_heads=2, head_
     # Prefix KV (positions before this step's queries) already sits in the pool, every layer.
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen).to(dtype))
     backend = FlashInferAttentionBackend(pool, num_q_heads=q_heads, head_dim=head_dim)
-    meta = backend.plan(AttentionMetadata.build(q_lens, kv_lens, page_lists, page_size, device=dev))
+    masks = [shuffled(ancestor_mask(random_parents(q, gen)), gen) if trees and q > 1 else None for q in q_lens]
+    meta = backend.plan(AttentionMetadata.build(q_lens, kv_lens, page_lists, page_size, device=dev,
+                                                tree_masks=masks))
     num_tokens = sum(q_lens)
     for layer in range(num_layers):
         q = torch.randn(num_tokens, q_heads, head_dim, generator=gen).to(dev, dtype)
@@ -240,7 +268,8 @@ def _run_batch(q_lens, kv_lens, extra_pages, dtype, q_heads=8, kv_heads=2, head_
         out = backend.forward(q, k, v, layer, meta)
         ref = paged_attention_ref(q.cpu(), pool.k_cache(layer).cpu(), pool.v_cache(layer).cpu(),
                                   meta.qo_indptr.cpu(), meta.kv_lens.cpu(), meta.page_table.cpu(),
-                                  backend.sm_scale)
+                                  backend.sm_scale, None if meta.tree_mask is None else meta.tree_mask.cpu(),
+                                  None if meta.tree_mask is None else meta.tree_mask_indptr.cpu())
         tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
         torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
     return backend, meta
@@ -254,6 +283,14 @@ def test_matches_reference_on_gpu(batch, dtype):
     backend, meta = _run_batch(*BATCHES[batch], dtype)
     expected = backend._decode if batch == "decode" else backend._prefill
     assert meta.plan.wrapper is expected
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tree_masks_match_reference_on_gpu(dtype):
+    pytest.importorskip("flashinfer", reason="flashinfer-python not installed")
+    backend, meta = _run_batch([17, 1, 3, 1, 8], [17, 16, 21, 1, 40], [0, 1, 0, 0, 2], dtype, trees=True)
+    assert meta.plan.wrapper is backend._prefill and meta.tree_mask is not None
 
 
 @needs_cuda

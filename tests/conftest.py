@@ -1,8 +1,9 @@
 """Test-wide environment: set before numpy/torch/triton are imported anywhere."""
 import os
 
+import pytest
+
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -15,3 +16,28 @@ os.environ.setdefault("SPECPD_HUGE_PAGES", "0")
 # `--dtype auto` (the default) is bfloat16 on a CPU with AMX / AVX512-BF16: the suite's references are fp32 (HF
 # transformers, the unified engine), so the suite pins what auto means; tests of the machine default clear it
 os.environ.setdefault("SPECPD_AUTO_DTYPE", "float32")
+
+# The Triton kernels run on the host under the interpreter only where no CUDA device is: on a GPU machine they are
+# compiled for it and tests/gpu runs them there (the interpreter is read when the kernels are defined, so one
+# process has one mode). The check asks NVML, so it does not initialize CUDA in a process that forks later.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+import torch  # noqa: E402  (after the thread settings above; torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without the interpreter (a CUDA machine) a Triton kernel cannot take CPU tensors: those tests skip, and
+    tests/gpu runs the same cases on the device."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set where no CUDA device is); "
+                                   "tests/gpu runs these kernels on the device")
+    for item in items:
+        if item.get_closest_marker("triton_interpreter"):
+            item.add_marker(skip)

@@ -21,6 +21,8 @@ from tests.kernels.test_tree_attention import ancestor_mask, random_parents, shu
 
 LAYER = 1
 NUM_PAGES, MAX_PAGES = 40, 12
+BACKENDS = [pytest.param(TorchAttentionBackend, id="torch"),  # Triton on CPU tensors: interpreted
+            pytest.param(TritonAttentionBackend, id="triton", marks=pytest.mark.triton_interpreter)]
 TOL = {torch.float32: dict(atol=3e-5, rtol=3e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -116,7 +118,7 @@ CASES = {  # q_lens, kv_lens, trees, page_size, bucket, width, wide (draft-step 
 }
 
 
-@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend], ids=["torch", "triton"])
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_padded_static_attention_equals_plain(case, dtype, backend_cls):
@@ -158,7 +160,7 @@ def test_padded_static_attention_equals_plain(case, dtype, backend_cls):
     assert set(changed) <= {p for lst in page_lists for p in lst}
 
 
-@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend], ids=["torch", "triton"])
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 def test_plan_static_writes_into_fixed_buffers(backend_cls):
     """Two steps of one shape: every tensor the forward reads (metadata and plan) is the same storage, and the
     plan's host values depend on the shape only."""

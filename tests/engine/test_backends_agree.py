@@ -1,4 +1,6 @@
 """The triton backend (under TRITON_INTERPRET on CPU) serves the same greedy tokens as the torch backend."""
+import pytest
+
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
@@ -7,6 +9,7 @@ from tests.model.hf_models import save_tiny_model
 PROMPTS = [[5, 17, 99, 3, 8], list(range(40, 61)), [7]]
 
 
+@pytest.mark.triton_interpreter
 def test_triton_backend_matches_torch(tmp_path):
     save_tiny_model("qwen3", tmp_path)
     outs = {}

@@ -27,6 +27,10 @@ def as_tensors(*columns):
     return [torch.tensor(c, dtype=torch.int64) for c in columns]
 
 
+COMPACTS = [pytest.param(compact_kv_ref, id="ref"),
+            pytest.param(compact_kv, id="triton", marks=pytest.mark.triton_interpreter)]  # CPU: interpreted
+
+
 def test_path_slot_moves_skips_nodes_in_place():
     # committed_len 6, page_size 4, pages [7, 2, 5, 1]: node i at position 6 + i
     moves = path_slot_moves([7, 2, 5, 1], 6, [0, 1, 3, 6], 4)
@@ -34,7 +38,7 @@ def test_path_slot_moves_skips_nodes_in_place():
     assert moves == ([5, 1], [1, 0], [5, 5], [0, 1])
 
 
-@pytest.mark.parametrize("compact", [compact_kv_ref, compact_kv], ids=["ref", "triton"])
+@pytest.mark.parametrize("compact", COMPACTS)
 def test_overlapping_shift_across_pages(compact):
     """Accepted path [0, 2, 3, 5, 8] after committed_len 6: sources and destinations overlap."""
     pool = random_pool(5, 2, 4, 2, 8, torch.float32)
@@ -50,7 +54,7 @@ def test_overlapping_shift_across_pages(compact):
     assert torch.equal(pool.buffer.permute(0, 3, 1, 2, 4, 5)[untouched], before.permute(0, 3, 1, 2, 4, 5)[untouched])
 
 
-@pytest.mark.parametrize("compact", [compact_kv_ref, compact_kv], ids=["ref", "triton"])
+@pytest.mark.parametrize("compact", COMPACTS)
 def test_permutation_is_gather_then_scatter(compact):
     """A 3-cycle and a swap: any in-place order would read a slot that was already overwritten."""
     pool = random_pool(3, 3, 2, 1, 4, torch.float16)
@@ -99,6 +103,7 @@ def accepted_paths_batch(case: str) -> tuple[KVPool, list[torch.Tensor]]:
     return random_pool(num_pages, num_layers, page_size, kv_heads, head_dim, dtype, seed=2), as_tensors(*moves)
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
 def test_kernel_matches_reference_exactly(case):
     """Several sequences' accepted paths in one call, random trees, scattered pages."""
@@ -109,6 +114,7 @@ def test_kernel_matches_reference_exactly(case):
     assert torch.equal(pool.buffer, expected)
 
 
+@pytest.mark.triton_interpreter
 def test_no_moves_is_a_no_op():
     pool = random_pool(2, 1, 4, 1, 8, torch.bfloat16)
     before = pool.buffer.clone()
@@ -116,6 +122,7 @@ def test_no_moves_is_a_no_op():
     assert torch.equal(pool.buffer, before)
 
 
+@pytest.mark.triton_interpreter
 def test_tree_verify_then_compact_gives_causal_attention():
     """After compaction, the accepted path attended causally equals what each path node saw in the tree."""
     page_size, layer = 4, 1

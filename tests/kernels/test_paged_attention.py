@@ -58,6 +58,7 @@ EXTEND_CASES = {
 }
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", list(EXTEND_CASES), ids=list(EXTEND_CASES))
 def test_extend_matches_reference(case):
     q_lens, kv_lens, hq, hkv, d, page_size, dtype, block_m, block_n = EXTEND_CASES[case]
@@ -69,6 +70,7 @@ def test_extend_matches_reference(case):
     torch.testing.assert_close(out.float(), reference(pool, meta, q, sm_scale).float(), **TOL[dtype])
 
 
+@pytest.mark.triton_interpreter
 def test_extend_strided_q_and_out_buffer():
     """q as a slice of a fused qkv tensor; output written into a caller buffer."""
     pool, meta, q = make_batch([5, 12], [13, 12], 4, 2, 16, 4, torch.float32)
@@ -94,6 +96,7 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
 def test_decode_matches_reference(case):
     kv_lens, hq, hkv, d, page_size, dtype, num_splits, block_n = DECODE_CASES[case]
@@ -105,6 +108,7 @@ def test_decode_matches_reference(case):
     torch.testing.assert_close(out.float(), reference(pool, meta, q, sm_scale).float(), **TOL[dtype])
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("q_lens,kv_lens", [([1, 1, 1], [4, 17, 33]), ([1, 6, 1, 16], [5, 21, 16, 16])],
                          ids=["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,6 +129,7 @@ def test_backend_writes_kv_then_attends(q_lens, kv_lens, dtype):
     torch.testing.assert_close(out.float(), reference(pool, meta, q, d ** -0.5).float(), **TOL[dtype])
 
 
+@pytest.mark.triton_interpreter
 def test_a_wrong_mask_would_be_caught():
     """The inputs must separate causal-with-offset from full attention and from an off-by-one length."""
     pool, meta, q = make_batch([1, 8, 17], [6, 8, 29], 2, 1, 16, 4, torch.float32)

@@ -93,6 +93,7 @@ def test_reference_matches_per_node_oracle():
             row += 1
 
 
+@pytest.mark.triton_interpreter
 def test_lower_triangular_tree_is_exactly_causal():
     q_lens, kv_lens = [1, 5, 9], [7, 13, 9]
     pool, meta, q = make_batch(q_lens, kv_lens, 2, 1, 16, 4, torch.float32)
@@ -127,6 +128,7 @@ TREE_CASES = {
 }
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("case", list(TREE_CASES), ids=list(TREE_CASES))
 def test_tree_extend_matches_reference(case):
     q_lens, kv_lens, trees, hq, hkv, d, page_size, dtype, block_m, block_n = TREE_CASES[case]
@@ -150,7 +152,8 @@ def test_tree_mask_changes_the_output():
     assert not differs[:2].any()  # root and its first child see the same in both
 
 
-@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend], ids=["torch", "triton"])
+@pytest.mark.parametrize("backend_cls", [pytest.param(TorchAttentionBackend, id="torch"), pytest.param(
+    TritonAttentionBackend, id="triton", marks=pytest.mark.triton_interpreter)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_tree_verify(backend_cls, dtype):
     """Writes the tree's K/V into its scratch slots, then attends with the mask."""
@@ -165,6 +168,7 @@ def test_backend_tree_verify(backend_cls, dtype):
     torch.testing.assert_close(out.float(), reference(pool, meta, q, d ** -0.5).float(), **TOL[dtype])
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_wide_tree_mask_matches_reference(dtype):
     """Draft-step masks: a [q_len, width > q_len] block over the last `width` KV positions."""

@@ -89,6 +89,7 @@ class ModelRunner:
         self.model. A PD server's ranks each move their own heads (specpd/disagg/kv_sender.py)."""
         from specpd.model import tp
         tp.check_tp_size(self.model_config, config.tp_size)
+        tp.check_devices(config.device, config.tp_size)
         tp.check_quantization(self.model_config, config.tp_size, config.quantization)
         self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)

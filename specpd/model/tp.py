@@ -1,4 +1,5 @@
-"""Tensor parallelism on one host (Megatron's layout): one process per rank, gloo between them.
+"""Tensor parallelism on one host (Megatron's layout): one process per rank; the all-reduces over NCCL on a GPU
+(rank r on cuda:r), over gloo on a CPU; gloo for the point-to-point control messages either way.
 
 Rank 0 is the engine's own process: it schedules, keeps the allocator and the caches, samples and verifies, so
 nothing that decides runs anywhere else. Ranks 1..N-1 are worker processes holding only their shard of the
@@ -11,7 +12,10 @@ decoder and of the KV pool; they run the target forwards rank 0 runs, in the sam
     heads, so a page id means the same tokens on every rank.
 A forward's inputs reach the workers over a pipe per worker (pickled ids, positions and attention metadata,
 no plan: each rank plans its own backend), and so do the KV slot moves of a verified tree path (`compact_kv`);
-the all-reduces go over gloo (a bf16 / fp16 partial sum in fp32).
+the all-reduces go over the collective backend (`collective_backend`: NCCL where the device is CUDA, gloo on a CPU; a
+bf16 / fp16 partial sum in fp32 either way). On a GPU each rank holds one device (`rank_device`: rank r on
+cuda:r, so --tp-size N needs N GPUs, refused at start-up otherwise: `check_devices`), and a forward's inputs cross
+the pipe on the host, each worker moving them to its own device.
 A draft model (EAGLE, EAGLE-3, MTP) is not sharded: it runs whole on rank 0 on the target's replicated
 embedding and LM head and on the full hidden states (every rank has the whole residual stream after each
 all-reduce), in a KV pool of every head on rank 0, so its KV, top-k and hidden are TP 1's up to the all-reduce's
@@ -124,15 +128,43 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, tp: int, r
     return out
 
 
-class TPGroup:
-    """This rank's gloo group (not torch.distributed's default group: several engines, e.g. a test's, may each
-    have their own in one process)."""
+def collective_backend(device: str | torch.device) -> str:
+    """The process-group backend of the decoder's all-reduces: NCCL for CUDA tensors, gloo for host ones."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
-    def __init__(self, store: dist.Store, rank: int, size: int):
+
+def rank_device(device: str | torch.device, rank: int) -> torch.device:
+    """Where rank `rank` of a group on `device` computes: its own GPU (cuda:rank), or the host."""
+    device = torch.device(device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def check_devices(device: str | torch.device, tp: int, gpus: int | None = None) -> None:
+    """ValueError naming both numbers when a CUDA group of `tp` ranks would not have a GPU per rank (gpus: the
+    count, default torch's)."""
+    if torch.device(device).type != "cuda" or tp == 1:
+        return
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if gpus < tp:
+        raise ValueError(f"--tp-size {tp} on --device cuda needs a GPU per rank; this machine has {gpus}")
+
+
+class TPGroup:
+    """This rank's groups (not torch.distributed's default group: several engines, e.g. a test's, may each have
+    their own in one process): gloo for point-to-point messages, and for the all-reduces the collective backend
+    of `device` (NCCL on a GPU, under a prefix of the same store; gloo itself on a CPU)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: str | torch.device = "cpu"):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = COLLECTIVE_TIMEOUT
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         self.group = dist.ProcessGroupGloo(store, rank, size, options)
+        self.collectives = self.group
+        self.backend = collective_backend(device)
+        if self.backend == "nccl":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = COLLECTIVE_TIMEOUT
+            self.collectives = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, nccl)
         self.rank, self.size = rank, size
 
     def send(self, x: torch.Tensor, dst: int) -> None:
@@ -152,7 +184,7 @@ class TPGroup:
         fp16 partial sum is summed in fp32 and rounded once, as TP 1's GEMM rounds its fp32 accumulator once."""
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         try:
-            self.group.allreduce([wide]).wait()
+            self.collectives.allreduce([wide]).wait()
         except RuntimeError as e:
             raise RankFailed(f"tensor-parallel all-reduce failed on rank {self.rank} of {self.size}: {e}") from e
         if wide is not x:
@@ -168,8 +200,17 @@ def attach(model: torch.nn.Module, group: TPGroup) -> None:
 
 
 def _wire_meta(meta):
-    """The metadata a worker needs (its own backend plans it)."""
-    return dataclasses.replace(meta, plan=None)
+    """The metadata a worker needs (its own backend plans it), its tensors on the host (a worker's device is its
+    own GPU)."""
+    host = {f.name: getattr(meta, f.name).cpu() for f in dataclasses.fields(meta)
+            if isinstance(getattr(meta, f.name), torch.Tensor)}
+    return dataclasses.replace(meta, plan=None, **host)
+
+
+def _on_device(meta, device: torch.device):
+    """A wired metadata's tensors on this rank's device."""
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
 class TPModel:
@@ -184,7 +225,7 @@ class TPModel:
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, backend, meta, capture_layers=()):
-        self._send(("forward", input_ids, positions, _wire_meta(meta), tuple(capture_layers)))
+        self._send(("forward", input_ids.cpu(), positions.cpu(), _wire_meta(meta), tuple(capture_layers)))
         return self._model(input_ids, positions, backend, meta, capture_layers=capture_layers)
 
     def compact_kv(self, moves) -> None:
@@ -305,7 +346,7 @@ def start_group(config: EngineConfig, hf_config: dict, weights: dict[str, torch.
         conns.append(parent)
         procs.append(proc)
     try:
-        group = TPGroup(store, 0, size)
+        group = TPGroup(store, 0, size, config.device)
     except RuntimeError as e:
         for proc in procs:
             proc.kill()
@@ -320,11 +361,13 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
     from specpd.model.decoder import build_decoder
     torch.set_num_threads(rank_threads(config))
     torch.manual_seed(config.seed)
+    device = rank_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", store_port, config.tp_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    group = TPGroup(store, rank, config.tp_size)
+    group = TPGroup(store, rank, config.tp_size, device)
     model, pool, backend = build_decoder(config, shard_config(ModelConfig.from_hf(hf_config), config.tp_size),
-                                         weights, max_model_len, torch.device(config.device), DTYPES[config.dtype],
-                                         row_scales=row_scales)
+                                         weights, max_model_len, device, DTYPES[config.dtype], row_scales=row_scales)
     del weights
     attach(model, group)
     state = types.SimpleNamespace(rank=rank, pool=pool)
@@ -350,7 +393,7 @@ def _worker_main(rank: int, store_port: int, config: EngineConfig, hf_config: di
                 fn(state, functools.partial(reply, cid), *args)
             else:
                 _, input_ids, positions, meta, capture = message
-                backend.plan(meta)
-                model(input_ids, positions, backend, meta, capture_layers=capture)
+                meta = backend.plan(_on_device(meta, device))
+                model(input_ids.to(device), positions.to(device), backend, meta, capture_layers=capture)
     for close in getattr(state, "on_exit", ()):
         close()

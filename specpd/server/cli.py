@@ -64,6 +64,12 @@ def serve(args: argparse.Namespace) -> int:
         sys.setswitchinterval(PD_SWITCH_INTERVAL_S)
         from specpd.disagg.transfer import default_backend
         transfer_backend = args.transfer_backend or default_backend()
+        if transfer_backend == "mooncake" or args.transfer_protocol != "tcp" or args.rdma_devices:
+            from specpd.disagg.transfer.mooncake import use_transport
+            try:
+                use_transport(args.transfer_protocol, args.rdma_devices, transfer_backend)
+            except ValueError as e:
+                raise SystemExit(f"specpd serve --role {args.role}: {e}") from e
     advertise = args.advertise_host or args.host
     if args.role in ("prefill", "decode") and advertise in ("0.0.0.0", "::", ""):
         raise SystemExit(f"specpd serve --role {args.role}: --host {args.host!r} binds every interface, so peers "
@@ -198,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--transfer-backend", choices=("mooncake", "tcp"), default=None,
                     help="KV page transfer engine, the same on P and D (default: mooncake where its engine "
                          "loads, else tcp, with a log line saying why; --disagg decides once for all children)")
+    pd.add_argument("--transfer-protocol", choices=("tcp", "rdma"), default="tcp",
+                    help="mooncake's transport, the same on P and D: tcp (one host, or hosts without RDMA NICs) or "
+                         "rdma (P and D on different hosts with RDMA NICs; refused where this machine has none) "
+                         "(default: tcp)")
+    pd.add_argument("--rdma-devices", default="", metavar="NAMES",
+                    help="with --transfer-protocol rdma: the RDMA NICs mooncake may use, comma-separated (e.g. "
+                         "mlx5_0,mlx5_1; default: mooncake picks)")
     pd.add_argument("--bootstrap-port", type=int, default=8998,
                     help="prefill: port of the bootstrap registry (/route, /health); router: the prefill "
                          "server's (default: 8998)")

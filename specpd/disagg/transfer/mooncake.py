@@ -19,6 +19,11 @@ Engine facts this file relies on (mooncake-transfer-engine 0.3.13):
   call for MC_TRANSFER_TIMEOUT seconds (default 30, floor 5) plus 1 s per GiB; `timeout_s` sets it for
   engines created here (the engine reads the variable in its constructor).
 - A write to an address the peer did not register fails (-1) and the peer logs an error.
+
+Transport: `--transfer-protocol tcp|rdma` and `--rdma-devices` (P and D alike; docs/disaggregation.md's two-host
+setup). `use_transport` checks them at start-up, naming the flag (RDMA needs this backend and an RDMA device under
+/sys/class/infiniband), and keeps them in the process environment, so every MooncakeBackend of the server and of
+its tensor-parallel ranks (spawned processes inherit it) initializes its engine with them.
 """
 from __future__ import annotations
 
@@ -35,6 +40,46 @@ import torch
 
 from specpd.disagg.messages import PoolLayout
 from specpd.disagg.transfer.base import PageCopy, PeerUnreachable, TransferBackend, TransferError
+
+PROTOCOL_ENV, DEVICES_ENV = "SPECPD_TRANSFER_PROTOCOL", "SPECPD_RDMA_DEVICES"
+PROTOCOLS = ("tcp", "rdma")
+RDMA_SYSFS = "/sys/class/infiniband"
+
+
+def rdma_devices_here(root: str = RDMA_SYSFS) -> list[str]:
+    """The RDMA devices this machine has (their names, e.g. mlx5_0), none where the class is missing."""
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []
+
+
+def check_transport(protocol: str, devices: str, backend: str, root: str = RDMA_SYSFS) -> None:
+    """ValueError naming the flag when `protocol` / `devices` (comma-separated) cannot run here with `backend`."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--transfer-protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    names = [d for d in devices.split(",") if d]
+    if protocol == "tcp":
+        if names:
+            raise ValueError(f"--rdma-devices {devices} needs --transfer-protocol rdma (got tcp)")
+        return
+    if backend != "mooncake":
+        raise ValueError(f"--transfer-protocol rdma needs --transfer-backend mooncake (got {backend})")
+    present = rdma_devices_here(root)
+    if not present:
+        raise ValueError(f"--transfer-protocol rdma: this machine has no RDMA device ({root} is empty or missing); "
+                         f"use --transfer-protocol tcp")
+    missing = [d for d in names if d not in present]
+    if missing:
+        raise ValueError(f"--rdma-devices {','.join(missing)}: not on this machine (its RDMA devices: "
+                         f"{','.join(present)})")
+
+
+def use_transport(protocol: str, devices: str, backend: str) -> None:
+    """Check the transport (check_transport), then make it this process's and its children's."""
+    check_transport(protocol, devices, backend)
+    os.environ[PROTOCOL_ENV], os.environ[DEVICES_ENV] = protocol, devices
+
 
 # dependency order: libibverbs needs libnl-route-3, which needs libnl-3
 _IBVERBS_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
@@ -86,10 +131,13 @@ def load_transfer_engine() -> type:
 class MooncakeBackend(TransferBackend):
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", *, protocol: str = "tcp", device_name: str = "",
+    def __init__(self, host: str = "127.0.0.1", *, protocol: str | None = None, device_name: str | None = None,
                  **options):
-        """`protocol`: "tcp" (one box / no RDMA NIC) or "rdma"; `device_name`: RDMA NICs, e.g. "mlx5_0"."""
+        """`protocol`: "tcp" (one box / no RDMA NIC) or "rdma"; `device_name`: RDMA NICs, e.g. "mlx5_0"
+        (default: the server's --transfer-protocol / --rdma-devices, `use_transport`; else tcp)."""
         super().__init__(host, **options)
+        protocol = protocol or os.environ.get(PROTOCOL_ENV) or "tcp"
+        device_name = device_name if device_name is not None else os.environ.get(DEVICES_ENV, "")
         # Mooncake names itself (its session id) by the host it is initialized with: the advertised one
         self._engine_key = (self.advertise_host, protocol, device_name, max(5, math.ceil(self.timeout_s)))
         with _ENV_LOCK:

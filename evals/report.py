@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "evals", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
 BENCH_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
-NOT_BENCHMARKS = {"peers_llamacpp.py", "report.py"}  # run by bench_peers in the peer's venv; this
+NOT_BENCHMARKS = {"peers_llamacpp.py", "report.py", "gpu_stage.py"}  # a peer's venv runs it; this; packs the GPU check
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- results:begin (python -m evals.report) -->", "<!-- results:end -->"
 

@@ -237,6 +237,10 @@ def offline(d: dict) -> str:
 
 
 def gpu(d: dict) -> str:
+    if "targets" in d:  # bench_gpu.py since CUDA graphs: issue 67's targets, each judged
+        rows = [[name, t["target"], _f(t["measured"], 2) if isinstance(t["measured"], float) else t["measured"],
+                 {True: "yes", False: "no", None: "not measured"}[t["met"]]] for name, t in d["targets"].items()]
+        return _table(["target", "bound", "measured", "met"], rows)
     rows = [[k, _f(v["tpot_ms"], 1), _f(v.get("tau")), _f(v.get("tok_s_over_plain"), 2, "×"),
              v.get("greedy_equals_plain", "–")] for k, v in {**d["plain"], **d["spec"]}.items()]
     return _table(["dtype/backend/config/batch", "TPOT ms", "τ", "over plain", "greedy equals plain"], rows)

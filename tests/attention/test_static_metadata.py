@@ -185,3 +185,26 @@ def _tensors(meta):
     for part in getattr(plan, "padded", []):
         out += [t for t in vars(part).values() if isinstance(t, torch.Tensor)]
     return out
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_one_row_tree_steps_keep_their_mask(backend_cls):
+    """A tree draft step whose frontiers are one node each: every query is one row, but its block still hides the
+    siblings' scratch slots (the Triton backend once took such a batch for plain decode)."""
+    q_lens, kv_lens = [1, 1, 1], [11, 7, 17]
+    masks = [torch.tensor([[True, False, False, True]]), torch.tensor([[False, True, True]]),
+             torch.tensor([[False, False, True, False, True]])]
+    page_lists, _ = _batch(q_lens, kv_lens, [None] * 3, 4)
+    meta = AttentionMetadata.build(q_lens, kv_lens, page_lists, 4, tree_masks=masks)
+    pool = _pool(torch.float32, 4)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 16, generator=gen)
+    k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    backend = backend_cls(pool, 4, 16)
+    out = backend.forward(q, k, v, LAYER, backend.plan(meta))
+    ref = paged_attention_ref(q, pool.k_cache(LAYER), pool.v_cache(LAYER), meta.qo_indptr, meta.kv_lens,
+                              meta.page_table, 16 ** -0.5, meta.tree_mask, meta.tree_mask_indptr)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    causal = paged_attention_ref(q, pool.k_cache(LAYER), pool.v_cache(LAYER), meta.qo_indptr, meta.kv_lens,
+                                 meta.page_table, 16 ** -0.5)
+    assert (causal - ref).abs().amax() > 1e-3  # the masks matter here

@@ -255,11 +255,12 @@ class EngineConfig:
         if backend == "auto":
             gpu_graphs = self.graphs and self.device != "cpu"
             backend = "triton" if gpu_graphs else machine.default_attention_backend(self.device)
-        return replace(self, dtype=dtype, attention_backend=backend, cuda_graphs=self.graphs)
+        return replace(self, dtype=dtype, attention_backend=backend)
 
     @property
     def graphs(self) -> bool:
-        """CUDA graphs as resolved: --cuda-graphs if given, else on for a CUDA device at tensor-parallel size 1."""
+        """--cuda-graphs if given, else on for a CUDA device at tensor-parallel size 1 (where the attention backend
+        plans into static buffers: specpd/model/cuda_graphs.py `graphs_on`)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.device.startswith("cuda") and self.tp_size == 1

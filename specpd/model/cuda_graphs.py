@@ -23,7 +23,7 @@ has no tree masks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -71,13 +71,12 @@ class GraphSettings:
     capture: bool
     scratch_page: int
     max_pages: int  # page table columns: the longest KV a graph can hold
-    mempool: object = None
-    runners: list = field(default_factory=list)
+    mempool: object = None  # torch.cuda.graph_pool_handle(): every graph of the engine allocates from it
 
     def runner(self, forward: Forward, backend, widths: list[int], max_mask_cells: int) -> "GraphRunner":
-        runner = GraphRunner(forward, backend, self, widths, max_mask_cells)
-        self.runners.append(runner)
-        return runner
+        """A graph runner of `forward` (rows per request: `widths`; tree-mask entries per request at most
+        max_mask_cells) sharing these settings."""
+        return GraphRunner(forward, backend, self, widths, max_mask_cells)
 
 
 class GraphRunner:
@@ -179,6 +178,14 @@ def _scatter(dst: torch.Tensor, rows: torch.Tensor, values: list[int]) -> None:
     dst.copy_(host, non_blocking=True)
 
 
+def graphs_on(config) -> bool:
+    """Whether the engine replays from graphs: --cuda-graphs if given (check_config refuses what cannot), else on
+    for a CUDA device at TP 1 with a backend that plans into static buffers (an explicit flashinfer: off)."""
+    if config.cuda_graphs is not None:
+        return config.cuda_graphs
+    return config.graphs and get_backend_class(config.attention_backend).static_plan
+
+
 def check_config(config) -> None:
     """Refuse at start-up, naming both settings, a configuration the engine could not run (module docstring).
     `config`: a resolved EngineConfig."""
@@ -189,7 +196,7 @@ def check_config(config) -> None:
                          f"--speculative-algorithm {spec.speculative_algorithm} drafts trees with (--spec-topk "
                          f"{spec.topk}{', hybrid n-gram candidates' if spec.hybrid else ''}): choose "
                          f"--attention-backend triton, or a chain (--spec-topk 1 --no-spec-ngram)")
-    if not config.graphs:
+    if not graphs_on(config):
         return
     if config.cuda_graph_max_bs < 1:
         raise ValueError(f"--cuda-graph-max-bs must be >= 1, got {config.cuda_graph_max_bs}")
@@ -207,7 +214,7 @@ def check_config(config) -> None:
 def graph_settings(config, kv_pool, max_model_len: int, decode_width: int) -> GraphSettings | None:
     """The engine's graph settings (None: graphs off). Takes the scratch page off the allocator for good.
     decode_width: KV slots a decode round reserves past the committed length."""
-    if not config.graphs:
+    if not graphs_on(config):
         return None
     capture = not config.cuda_graph_eager
     max_pages = -(-(max_model_len + decode_width) // kv_pool.page_size)

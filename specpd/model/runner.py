@@ -134,6 +134,7 @@ class ModelRunner:
         from specpd.machine import isa
         return {"num_threads": self.num_threads, "tp_size": self.config.tp_size, "dtype": self.config.dtype,
                 "device": str(self.device), "attention_backend": self.backend.name,
+                "cuda_graphs": self.graph_settings is not None,
                 "cpu_isa": isa() if self.device.type == "cpu" else None}
 
     # -- per-request state -----------------------------------------------------------------

@@ -37,7 +37,7 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
          "cuda_graphs": "replay decode, verify and draft forwards from CUDA graphs captured per batch-size bucket "
                         "(padded to it; larger batches and prefill chunks run eagerly); needs an attention backend "
                         "that plans into static buffers (triton, torch) and --tp-size 1 (default: on for --device "
-                        "cuda at --tp-size 1, else off)",
+                        "cuda at --tp-size 1 with such a backend, else off)",
          "cuda_graph_max_bs": "the largest batch (requests) replayed from a graph; buckets are 1, 2, 4, then every 8",
          "cuda_graph_eager": "tests: run the graphs' padded static-buffer path without capturing (on any device)",
          "page_size": "tokens per KV page",

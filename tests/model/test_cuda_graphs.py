@@ -14,6 +14,7 @@ from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from specpd.core import SamplingParams
 from specpd.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
+from specpd.model.cuda_graphs import graphs_on
 from specpd.model.loader import load_checkpoint
 from tests.model.hf_models import save_tiny_model
 
@@ -156,9 +157,11 @@ def test_triton_padded_path_equals_eager_under_the_interpreter(tmp_path):
 
 def test_resolution_of_auto():
     gpu = EngineConfig(device="cuda").resolved()
-    assert gpu.cuda_graphs is True and gpu.attention_backend == "triton"
-    assert EngineConfig(device="cuda", tp_size=2).resolved().cuda_graphs is False
-    assert EngineConfig(device="cpu").resolved().cuda_graphs is False
+    assert graphs_on(gpu) and gpu.attention_backend == "triton"
+    assert not graphs_on(EngineConfig(device="cuda", tp_size=2).resolved())
+    assert not graphs_on(EngineConfig(device="cpu").resolved())
+    assert graphs_on(EngineConfig(device="cuda", attention_backend="torch").resolved())
+    assert not graphs_on(EngineConfig(device="cuda", attention_backend="flashinfer").resolved())  # chosen: no graphs
     no_graphs = EngineConfig(device="cuda", cuda_graphs=False).resolved().attention_backend
     assert no_graphs in ("flashinfer", "triton")  # flashinfer where it is installed
     assert EngineConfig(device="cpu", cuda_graphs=True, cuda_graph_eager=True).resolved().attention_backend != "triton"

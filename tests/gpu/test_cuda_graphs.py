@@ -74,8 +74,11 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("name", list(SPECS))
+# every drafter on triton (the GPU default); the torch backend's static plan on plain decoding and trees
+CASES = [("triton", name) for name in SPECS] + [("torch", "plain"), ("torch", "eagle3_tree")]
+
+
+@pytest.mark.parametrize("backend,name", CASES)
 def test_replay_equals_eager_forward_by_forward(target, heads, backend, name):
     spec = SPECS[name](heads) if SPECS[name] else None
     eng = engine(target, True, backend, spec=spec)
@@ -90,8 +93,7 @@ def test_replay_equals_eager_forward_by_forward(target, heads, backend, name):
         assert draft_twin.compared > 5 and len(draft_twin.ptrs) == 1
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("backend,name", CASES)
 def test_graphs_give_the_eager_engines_tokens(target, heads, backend, name):
     spec = SPECS[name](heads) if SPECS[name] else None
     plain = tokens(engine(target, False, backend))

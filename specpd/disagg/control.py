@@ -9,7 +9,9 @@ never waits on the engine, so a long prefill batch or decode step never makes a 
   sends the room's last message); everything else waits for the engine thread in its inbox.
 - `DecodeControl` (D): one DEALER per P, created on the first message to it; pings every P that holds rooms of
   D's each HEARTBEAT_INTERVAL_S and stamps every message from a P on its own clock (`heard`), so D's own long
-  engine step never reads as P's silence; a reply whose progress counters moved stamps `progressed`. A
+  engine step never reads as P's silence; a reply whose progress counters moved, or sent from inside an engine
+  step not yet longer than D's longest deadline (a long prefill step is work; a longer one is a wedged
+  engine), stamps `progressed`. A
   monitor on each DEALER records when its TCP connection to P dropped (`lost`): a P process that exited
   closes it at once, so D asks P's bootstrap server again before it trusts that route, however soon a
   restarted P is back, and fails that P's rooms at once if it is gone (a frozen P keeps its connection).
@@ -56,6 +58,8 @@ class DecodeSide(Protocol):
     ctx: zmq.Context
     name: str
     heartbeat_timeout_s: float
+    prefill_timeout_s: float
+    transfer_timeout_s: float
 
 
 class PrefillControl(ControlThread):
@@ -143,6 +147,8 @@ class DecodeControl(ControlThread):
         self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
         # P's endpoint -> monotonic arrival of the last reply whose progress counters moved (read by the engine)
         self.progressed: dict[str, float] = {}
+        # a P step running longer than D's longest deadline is a wedged engine, not progress
+        self.step_limit_s = max(worker.prefill_timeout_s, worker.transfer_timeout_s)
         self.owing: frozenset[str] = frozenset()  # endpoints of Ps holding rooms of ours (set by the engine thread)
         self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
         self._pinged: dict[str, float] = {}
@@ -198,7 +204,8 @@ class DecodeControl(ControlThread):
             if sent is not None:
                 self.rtt_s.append(arrived_at - sent)
             last = self.load.get(name)
-            if last is not None and (last.steps, last.writes) != (msg.steps, msg.writes):
+            moved = last is not None and (last.steps, last.writes) != (msg.steps, msg.writes)
+            if moved or 0.0 < msg.step_s <= self.step_limit_s:  # a step finished, a write ended, or one runs
                 self.progressed[name] = arrived_at
             self.load[name] = msg
             return

@@ -6,8 +6,10 @@ in the transfer queue: pages offered):
      (`transfer_timeout_s`) fails only once neither it nor its P made progress for that long: progress is a
      message for the room (TargetFeatures, the record) or a heartbeat reply of P's whose counters moved (an
      engine step finished: some prefill chunk computed; a KV write ended: a chunk's pages or a room's rest
-     landed). A room queued behind a long line on a busy P, or whose chunks keep landing, waits as long as the
-     line moves.
+     landed) or that P sent from inside an engine step (P polls its writes between steps: a long step holds
+     back even a landed room's TransferDone), unless that step has run longer than the longer of the two
+     timeouts (a wedged engine). A room queued behind a long line on a busy P, or whose chunks keep landing, waits as long
+     as the line moves.
   2. The heartbeat rule: a P that has left D's pings unanswered for `heartbeat_timeout_s` (on D's control
      thread's clock, DecodeControl.silent_s) is probed: its bootstrap port refusing, or naming another control
      endpoint (P was restarted), means it is gone: its rooms' pages are freed at once, since nothing can still

@@ -5,6 +5,9 @@ each stepped on its own thread as its server would (test_control_plane.Driver), 
   prefill timeout, and none fails: P's engine steps keep finishing.
 - Rooms whose KV writes land one at a time, WRITE_EVERY_S apart, wait for their KV longer than D's transfer
   timeout, and none fails: writes keep ending on P.
+- A room whose KV has landed while P runs one engine step longer than D's transfer timeout (P polls its writes
+  between steps, so its TransferDone waits for that step): P answers from inside the step, which is work, and
+  the room completes.
 - A room whose writes never end while P answers every heartbeat still fails once nothing moved for the transfer
   timeout (silence is still silence), and the pages come back.
 - A room D registered but cannot give pages yet (D's pool held) outlives P's bootstrap timeout while D keeps
@@ -17,7 +20,7 @@ import time
 from specpd.disagg.transfer import TransferStatus
 from specpd.disagg.worker import BootstrapInfo
 from tests.disagg.handoff_helpers import GREEDY, make_engine, make_workers, model_dir  # noqa: F401
-from tests.disagg.test_control_plane import Driver, wait_for
+from tests.disagg.test_control_plane import Driver, stall_next_step, wait_for
 
 HEARTBEAT_TIMEOUT_S = 1.0  # D pings every 0.25 s: P's progress is seen at least that often
 STEP_S = 0.6
@@ -132,6 +135,30 @@ def test_rooms_whose_writes_keep_landing_outlive_the_transfer_timeout(model_dir)
     assert [o.token_ids for o in outs] == expected
     waited = longest_ms(d, "d_wait_kv", len(PROMPTS)) / 1000
     print(f"\nthe longest wait for a room's KV: {waited:.2f} s (transfer timeout {TRANSFER_TIMEOUT_S:g} s)")
+    assert waited > TRANSFER_TIMEOUT_S, "the premise: a room waited for its KV longer than the timeout"
+
+
+def test_a_room_whose_kv_landed_outlives_the_transfer_timeout_during_one_long_step(model_dir):
+    p, d = make_workers(model_dir, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S)
+    prompts = [PROMPTS[0][:5], PROMPTS[1]]  # one chunk, then five: the second's next chunk is the long step
+    expected = [o.token_ids for o in make_engine(model_dir).generate(prompts, GREEDY)]
+    Gate(p, 0.2)  # the first room's write is seen ended a moment after it went: it is still in flight at P's next
+    stall = stall_next_step(p.engine, 3 * TRANSFER_TIMEOUT_S, when=lambda: bool(p.inflight))  # step, which stalls
+    drivers = [Driver(p), Driver(d)]
+    try:
+        outs = run_rooms(drivers, prompts, 250)
+        wait_for(lambda: p.free_pages == d.free_pages == 64, 30, "pages not back")
+    finally:
+        for drv in drivers:
+            drv.stop()
+        p.close()
+        d.close()
+    assert stall.ended.is_set(), "the premise: P ran a long step with a room in flight"
+    assert [o.error for o in outs] == [None, None]
+    assert [o.token_ids for o in outs] == expected
+    waited = longest_ms(d, "d_wait_kv", len(prompts)) / 1000
+    print(f"\nthe longest wait for a room's KV: {waited:.2f} s, during one {3 * TRANSFER_TIMEOUT_S:g} s step "
+          f"(transfer timeout {TRANSFER_TIMEOUT_S:g} s)")
     assert waited > TRANSFER_TIMEOUT_S, "the premise: a room waited for its KV longer than the timeout"
 
 

@@ -7,8 +7,9 @@ A backend's life in the router:
      leaked one: httpcore keeps a connection cancelled between its connect and its request in the pool for
      good, and a streamed answer dropped unread holds one, so a cluster that lost P or D a few times ran out
      of connections and every later request waited for one forever.
-  3. A connection refused or cut before the answer, or an answer saying the server cannot generate (503
-     without Retry-After: its engine is dead), marks the backend down (`mark_down`). While it is down a probe
+  3. A connection refused or cut before the answer, an answer saying the server cannot generate (503
+     without Retry-After: its engine is dead), or (a P) D's 502 saying it cannot reach P's bootstrap server,
+     marks the backend down (`mark_down`). While it is down a probe
      asks its /health (a P: also its bootstrap server's, which D needs) every PROBE_INTERVAL_S; at the first
      200 the backend is up again, a P's bootstrap address re-read (a restarted P may have moved it).
   4. A request for a backend that is down waits for it (`wait_up`) until its deadline, then is refused
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5  # between health probes of a backend that is down
 PROBE_TIMEOUT_S = 5.0
 _WILDCARDS = ("0.0.0.0", "::", "")  # bind-everything addresses: not where a peer can reach a server
-# one TLS context for every exchange's client (httpx builds one per client otherwise, ~25 ms each); the
-# backends are plain http, so it is never used to connect
+# one TLS context for every exchange's client (httpx builds one per client otherwise, loading the CA bundle each
+# time); the backends are plain http, so it is never used to connect
 _TLS = ssl.create_default_context()
 
 
@@ -43,8 +44,8 @@ class Backend:
         self.bootstrap: tuple[str, int] | None = None  # P: (host, port) of its bootstrap server, once known
         self.down_since: float | None = None
         self.why = ""
-        self._up = asyncio.Event()
-        self._up.set()
+        self.came_up = asyncio.Event()  # set while up: requests for it wait on this
+        self.came_up.set()
 
     @property
     def up(self) -> bool:
@@ -104,7 +105,7 @@ class Backends:
         if backend.up:
             logger.warning("%s is down (%s): requests for it wait for it to come back", backend.name, why)
             backend.down_since, backend.why = time.monotonic(), why
-            backend._up.clear()
+            backend.came_up.clear()
         if url not in self._probes or self._probes[url].done():
             self._probes[url] = asyncio.ensure_future(self._probe(backend))
 
@@ -113,7 +114,7 @@ class Backends:
             await asyncio.sleep(PROBE_INTERVAL_S)
         logger.warning("%s is back after %.1f s", backend.name, time.monotonic() - backend.down_since)
         backend.down_since, backend.why = None, ""
-        backend._up.set()
+        backend.came_up.set()
 
     async def _answers(self, backend: Backend) -> bool:
         """/health 200 (the engine is alive); a P's bootstrap address re-read and its bootstrap server up."""
@@ -138,7 +139,7 @@ class Backends:
             left = deadline - time.monotonic()
             if not backend.up and left > 0:
                 try:
-                    await asyncio.wait_for(backend._up.wait(), left)
+                    await asyncio.wait_for(backend.came_up.wait(), left)
                 except asyncio.TimeoutError:
                     pass
         return [self.all[u] for u in urls if not self.all[u].up]

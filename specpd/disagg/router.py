@@ -45,8 +45,8 @@ from specpd.disagg.router_info import add_info_routes, server_error
 from specpd.disagg.timeline import StageCollector, StageStats
 
 _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
-# a request waits this long (from its arrival) for a P or D that is down (--pd-restart-wait); `specpd serve
-# --disagg` restarts a dead child after a backoff of 1 s and its load; a client hears 503 + Retry-After after that
+# a request waits this long (from its arrival) for a P or D that is down (--pd-restart-wait): long enough for
+# `specpd serve --disagg` to restart a dead child on a small box (its backoff, then its load); then 503 + Retry-After
 RESTART_WAIT_S = 15.0
 RETRY_AFTER_S = 5
 MAX_ATTEMPTS = 4  # sends of one request: a server that goes down under it again and again is not waited on forever

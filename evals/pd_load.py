@@ -27,9 +27,15 @@ in the environment. The C kernels are then built for x86-64-v3 (AVX2, no AVX-512
 the C stack, AVX-512 only, stay off, as on an AVX2 CPU), dtype auto is float32 (no native bf16 on AVX2), and
 oneDNN and ATen are capped at AVX2. The cores, their speed and the memory system stay this box's.
 
-evals/results/pd_load.json: this commit's run of issue 63's load on this box ("cases"), and under "before" the
-same script from an export of 7e069e3 (before the fix), under "avx2_forced" this commit with FORCE_AVX2. The
-box's two cores were shared with other engineers' work throughout; the issue-11 runs are in git history.
+evals/results/pd_load.json: issue 63's load on this box (an AMD EPYC, AVX-512 BF16) after the fix ("cases"),
+and, merged, the same script run from an export of 7e069e3 (before the fix) on the default path ("before") and
+with FORCE_AVX2 ("before_avx2_forced"), and after the fix with FORCE_AVX2 ("avx2_forced"). Only the
+before-the-fix AVX2 run failed requests: its D logged the issue's "KV transfer of room ... did not finish within
+60 s" (and a prefill deadline) while P was inside one engine step for minutes, then the launcher restarted P
+when its /health stopped answering, and the clients saw those requests fail as "prefill server unreachable"
+(its `cluster_log_tail`). The merged runs predate the script's `command` field (theirs is the served
+command). The box's two cores were shared with other engineers' work throughout; the issue-11 runs are in git
+history.
 """
 from __future__ import annotations
 

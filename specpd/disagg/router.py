@@ -156,6 +156,9 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                 routed.pop("release", lambda: None)()
                 prefill_url = pickers[0].pick(key, backends.usable(prefill_urls))
                 decode_url = pickers[1].pick(key, backends.usable(decode_urls))
+                pickers[0].acquire(prefill_url)  # at once: the next request's pick must see this one (no await between)
+                pickers[1].acquire(decode_url)
+                routed["release"] = lambda p=prefill_url, d=decode_url: (pickers[0].release(p), pickers[1].release(d))
                 waiting = asyncio.ensure_future(backends.wait_up([prefill_url, decode_url], deadline))
                 await asyncio.wait({waiting} | ({gone} if gone else set()), return_when=asyncio.FIRST_COMPLETED)
                 if not waiting.done():
@@ -163,9 +166,6 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                     return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
                 if down := waiting.result():
                     return unavailable(down, attempt - 1)
-                pickers[0].acquire(prefill_url)
-                pickers[1].acquire(decode_url)
-                routed["release"] = lambda p=prefill_url, d=decode_url: (pickers[0].release(p), pickers[1].release(d))
                 try:
                     return await send(raw, path, body, prefill_url, decode_url, received, gone, routed)
                 except _Retry as e:

@@ -139,21 +139,34 @@ def test_rooms_whose_writes_keep_landing_outlive_the_transfer_timeout(model_dir)
 
 
 def test_a_room_whose_kv_landed_outlives_the_transfer_timeout_during_one_long_step(model_dir):
+    """Rooms A (one chunk) and B (five) enter P's engine in one step, D's page offers already there; A is handed
+    off after it, its write held
+    in flight until P's next step (B's second chunk) has run 3x D's transfer timeout: only then can P see the
+    write end and send A's TransferDone."""
     p, d = make_workers(model_dir, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, transfer_timeout_s=TRANSFER_TIMEOUT_S)
-    prompts = [PROMPTS[0][:5], PROMPTS[1]]  # one chunk, then five: the second's next chunk is the long step
+    prompts = [PROMPTS[0][:5], PROMPTS[1]]
     expected = [o.token_ids for o in make_engine(model_dir).generate(prompts, GREEDY)]
-    Gate(p, 0.2)  # the first room's write is seen ended a moment after it went: it is still in flight at P's next
-    stall = stall_next_step(p.engine, 3 * TRANSFER_TIMEOUT_S, when=lambda: bool(p.inflight))  # step, which stalls
+    gate = Gate(p, None)
+    stall = stall_next_step(p.engine, 3 * TRANSFER_TIMEOUT_S, when=lambda: bool(p.inflight))
     drivers = [Driver(p), Driver(d)]
     try:
-        outs = run_rooms(drivers, prompts, 250)
+        for i in range(2):
+            info = BootstrapInfo("127.0.0.1", p.bootstrap.port, 250 + i)
+            p.expect(f"p{i}", info)
+            d.bootstrap(f"d{i}", info)
+        drivers[1].call(lambda: [d.add_request(f"d{i}", prompts[i], GREEDY) for i in range(2)])
+        wait_for(lambda: {250, 251} <= set(p._destinations), 30, "D's page offers never reached P")
+        drivers[0].call(lambda: [p.add_request(f"p{i}", prompts[i], GREEDY) for i in range(2)])  # one step
+        assert stall.ended.wait(60), "P never ran its long step with room A in flight"
+        gate.open()
+        wait_for(lambda: drivers[1].finished("d0") and drivers[1].finished("d1"), 60, "D never finished")
         wait_for(lambda: p.free_pages == d.free_pages == 64, 30, "pages not back")
     finally:
         for drv in drivers:
             drv.stop()
         p.close()
         d.close()
-    assert stall.ended.is_set(), "the premise: P ran a long step with a room in flight"
+    outs = [drivers[1].finished(f"d{i}") for i in range(2)]
     assert [o.error for o in outs] == [None, None]
     assert [o.token_ids for o in outs] == expected
     waited = longest_ms(d, "d_wait_kv", len(prompts)) / 1000

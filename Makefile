@@ -37,11 +37,12 @@ serve: install
 # suite in 12 min, with one each in 2). The suites that start real servers run after them, also on two workers
 # with one thread per server (a test mostly waits on its servers: the box is half idle with one); the ones whose
 # servers watch the clock (heartbeats, restarts, the TTFT breakdown, a bootstrap timeout, the adaptive policy's
-# timings) then run alone, with the defaults.
+# timings, the PD deadlines, the router's wait for a restarting server) then run alone, with the defaults.
 SERVER_TESTS := tests/disagg tests/server tests/grammar
 TIMED_TESTS := tests/disagg/test_control_plane.py tests/disagg/test_faults.py tests/disagg/test_cluster.py \
 	tests/disagg/test_transfer.py tests/disagg/test_pd_ttft.py tests/disagg/test_pd_optimistic.py \
-	tests/disagg/test_router_admission.py tests/server/test_admission.py tests/disagg/test_pd_spec_defaults.py
+	tests/disagg/test_router_admission.py tests/server/test_admission.py tests/disagg/test_pd_spec_defaults.py \
+	tests/disagg/test_restarts.py tests/disagg/test_deadlines.py tests/disagg/test_router_restarts.py
 
 test: install
 	@OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 tests $(SERVER_TESTS:%=--ignore=%); a=$$?; \

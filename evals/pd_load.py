@@ -1,27 +1,41 @@
 """PD under load: does `specpd serve --disagg 1p1d` with EAGLE-3 hold a burst, with other work on the box?
 
-The reported failure (issue 11): 32 requests sent at once, 8 of them ~1,500-token prompts, max_tokens 32,
-through `--disagg 1p1d --speculative-algorithm eagle3 --draft-model default` with default timeouts and pool
-sizes, while two `nice -n 10` busy loops shared the box: 18 of 32 failed with "prefill server ... is not
-answering: no heartbeat for 10.3 s" (P's heartbeat waited for its engine step).
+The reported failures: issue 11, 32 requests at once (8 of them ~1,500-token prompts, max_tokens 32) with two
+`nice`d busy loops on the box, 18 failed with "prefill server ... is not answering: no heartbeat for 10.3 s" (P's
+heartbeat waited for its engine step); issue 63, on a 2-core AVX2 EPYC, 48 requests at once (a quarter ~1.5k-token
+prompts, 32 tokens out) with one `nice`d neighbour, 3 failed with "KV transfer of room ... did not finish within
+60 s" while P was alive and working through its queue (D's deadlines counted P's queue as silence).
 
-Cases, one cluster for all (the launcher, its P, D and router as real processes on 127.0.0.1):
-  burst N in (32, 64): N requests at once, 25% long (--long-len tokens of ShareGPT text), the rest held-out
-  ShareGPT first turns (chat template), greedy, ignore_eos, max_tokens 32, non-streamed /v1/completions;
-  each without and with two `nice -n 10 python -c 'while True: pass'` loops.
+Cases, one cluster for all (the launcher, its P, D and router as real processes on 127.0.0.1, `specpd serve
+--disagg 1p1d --speculative-algorithm eagle3 --draft-model default`, default timeouts and pool sizes):
+  burst N (--sizes, default 48): N requests at once, 25% long (--long-len tokens of ShareGPT text), the rest
+  held-out ShareGPT first turns (chat template), greedy, ignore_eos, max_tokens 32, non-streamed
+  /v1/completions; with each count of `nice -n 10 python -c 'while True: pass'` loops in --busy (default 1).
 Per case: failed requests (any non-200, with the distinct error messages), wall time, P's and D's free pages
 back to their totals afterwards, and heartbeat round trips: a probe of this script pings P's control socket
 every 50 ms during the burst (`p_heartbeat_ms`: p50 / p99 / max, this case only), and D's own pings to P
-(`d_heartbeat_rtt_ms` from D's /server_info: its last 2000, so cumulative over the cases so far).
+(`d_heartbeat_rtt_ms` from D's /server_info: its last 2000, so cumulative over the cases so far). The run names
+the CPU's ISA (`specpd.machine.isa()`) and the code path it was forced to, if any (`forced`: the variables of
+FORCE_AVX2 found in the environment).
 
   python evals/pd_load.py                      # -> evals/results/pd_load.json
-  python evals/pd_load.py --out /tmp/x.json --sizes 32 --no-busy     # one quick case
-  python evals/pd_load.py --before OLD.json    # also record OLD.json's cases under "before"
+  python evals/pd_load.py --out /tmp/x.json --sizes 32 --busy 0      # one quick case
+  python evals/pd_load.py --merge before=OLD.json --merge avx2_forced=AVX2.json   # other runs under those keys
 
-evals/results/pd_load.json: this commit's run ("cases", transfer backend as `make serve` picks it) and,
-under "before", the same script run from a checkout of fa72642 (P's heartbeat on its engine thread, tcp);
-under "after_over_tcp", this commit's busy cases with `--transfer-backend tcp` (the backend is not the fix).
-The box's two cores were shared with other engineers' test runs throughout (load average 5-9).
+The AVX2 code path on an AVX-512 box (the closest this box comes to issue 63's AVX2 EPYC): run with FORCE_AVX2
+in the environment. The C kernels are then built for x86-64-v3 (AVX2, no AVX-512: the project's GEMM kernels and
+the C stack, AVX-512 only, stay off, as on an AVX2 CPU), dtype auto is float32 (no native bf16 on AVX2), and
+oneDNN and ATen are capped at AVX2. The cores, their speed and the memory system stay this box's.
+
+evals/results/pd_load.json: issue 63's load on this box (an AMD EPYC, AVX-512 BF16) after the fix ("cases"),
+and, merged, the same script run from an export of 7e069e3 (before the fix) on the default path ("before") and
+with FORCE_AVX2 ("before_avx2_forced"), and after the fix with FORCE_AVX2 ("avx2_forced"). Only the
+before-the-fix AVX2 run failed requests: its D logged the issue's "KV transfer of room ... did not finish within
+60 s" (and a prefill deadline) while P was inside one engine step for minutes, then the launcher restarted P
+when its /health stopped answering, and the clients saw those requests fail as "prefill server unreachable"
+(its `cluster_log_tail`). The merged runs predate the script's `command` field (theirs is the served
+command). The box's two cores were shared with other engineers' work throughout; the issue-11 runs are in git
+history.
 """
 from __future__ import annotations
 
@@ -47,6 +61,9 @@ from specpd.server.launch import free_port, serve_processes  # noqa: E402
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 BUSY_LOOP = "while True: pass"
+# the AVX2 code path on an AVX-512 CPU (module docstring): every child of the cluster inherits these
+FORCE_AVX2 = {"SPECPD_KERNEL_MARCH": "x86-64-v3", "SPECPD_AUTO_DTYPE": "float32", "ONEDNN_MAX_CPU_ISA": "AVX2",
+              "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 @contextlib.contextmanager
@@ -177,31 +194,38 @@ def workload(tokenizer, size: int, long_len: int) -> tuple[list[list[int]], str]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="32,64")
+    ap.add_argument("--sizes", default="48")
     ap.add_argument("--long-len", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--no-busy", action="store_true", help="skip the cases with the nice'd busy loops")
-    ap.add_argument("--busy-only", action="store_true")
+    ap.add_argument("--busy", default="1", help="counts of nice'd busy loops, one case each (e.g. 0,2)")
     ap.add_argument("--serve-args", default="--speculative-algorithm eagle3 --draft-model default",
                     help="engine flags for every P and D (default timeouts and pool sizes otherwise)")
     ap.add_argument("--label", default="", help="free text recorded in the results (e.g. the commit)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "pd_load.json"))
-    ap.add_argument("--before", help="results of an earlier run of this script, kept under 'before'")
+    ap.add_argument("--merge", action="append", default=[], metavar="KEY=FILE",
+                    help="another run's results (this script's JSON), kept under KEY (e.g. before=OLD.json)")
     args = ap.parse_args()
 
     from specpd.model.loader import load_checkpoint
     tokenizer = load_checkpoint("default").tokenizer
+    from specpd.machine import isa
     sizes = [int(s) for s in args.sizes.split(",")]
-    loads = [0, 2] if not (args.no_busy or args.busy_only) else ([0] if args.no_busy else [2])
-    results = {"command": " ".join(["specpd serve --disagg 1p1d", args.serve_args]), "label": args.label,
-               "max_tokens": args.max_tokens, "long_len": args.long_len, "machine": machine_info(),
-               "versions": versions(), "cases": []}
+    loads = [int(n) for n in args.busy.split(",")]
+    forced = {k: os.environ[k] for k in FORCE_AVX2 if k in os.environ}
+    given = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("sizes", "busy", "long_len", "max_tokens")
+             if getattr(args, k) != ap.get_default(k)]
+    given += [f"--serve-args '{args.serve_args}'"] if args.serve_args != ap.get_default("serve_args") else []
+    results = {"command": " ".join(["python evals/pd_load.py", *given]),
+               "serve_command": " ".join(["specpd serve --disagg 1p1d", args.serve_args]), "label": args.label,
+               "isa": isa(), "forced": forced, "max_tokens": args.max_tokens, "long_len": args.long_len,
+               "machine": machine_info(), "versions": versions(), "cases": []}
     serve_args = args.serve_args.split()
     t_start = time.monotonic()
     with cluster(serve_args) as (router, p_url, d_url, boot, log_path), \
             keep_logs({"cluster": log_path}, 6000, "{name} log tail:\n"):
         log(f"cluster up in {time.monotonic() - t_start:.0f} s: router {router} P {p_url} D {d_url}")
         results["transfer_backend"] = info(p_url).get("transfer_backend")
+        results["runtime"] = {role: info(url).get("runtime") for role, url in (("prefill", p_url), ("decode", d_url))}
         totals = {u: info(u)["total_pages"] for u in (p_url, d_url)}
         for size in sizes:
             prompts, source = workload(tokenizer, size, args.long_len)
@@ -228,9 +252,10 @@ def main() -> int:
                 log(json.dumps({k: v for k, v in case.items() if k != "pages"}))
         with open(log_path) as f:
             results["cluster_log_tail"] = f.read()[-6000:]
-    if args.before:
-        with open(args.before) as f:
-            results["before"] = {k: v for k, v in json.load(f).items() if k not in ("machine", "versions")}
+    for merge in args.merge:
+        key, path = merge.split("=", 1)
+        with open(path) as f:
+            results[key] = json.load(f)
     write_json(args.out, results)
     log(f"wrote {args.out}")
     return 0 if all(c["failed"] == 0 and c["pages_back"] for c in results["cases"]) else 1

@@ -244,3 +244,18 @@ def gpu(d: dict) -> str:
     rows = [[k, _f(v["tpot_ms"], 1), _f(v.get("tau")), _f(v.get("tok_s_over_plain"), 2, "×"),
              v.get("greedy_equals_plain", "–")] for k, v in {**d["plain"], **d["spec"]}.items()]
     return _table(["dtype/backend/config/batch", "TPOT ms", "τ", "over plain", "greedy equals plain"], rows)
+
+
+def pd_load(d: dict) -> str:
+    """This commit's run, then the other runs the file keeps (pd_load.py's --merge), each with its code path."""
+    runs = [(d.get("label") or "this run", d)] + [(k, d[k]) for k in sorted(d) if isinstance(d[k], dict)
+                                                  and "cases" in d[k] and "isa" in d[k]]
+    rows = []
+    for name, run in runs:
+        path = "AVX2 forced" if run.get("forced") else run["isa"]
+        for c in run["cases"]:
+            rows.append([name, path, f"{c['requests']} ({c['long_requests']} long)", c["busy_loops"],
+                         f"**{c['failed']}**", _f(c["wall_s"], 0), "yes" if c["pages_back"] else "**no**",
+                         "; ".join(e[:90] for e in c["errors"]) or "–"])
+    return _table(["run", "code path", "requests", "busy loops", "failed", "wall s", "pages back on P and D",
+                   "errors"], rows)

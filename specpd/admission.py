@@ -1,14 +1,22 @@
 """Admission at the door, shared by the API server and the router (no torch here).
 
 What a request meets before any handler runs (one ASGI middleware, `Admission`):
-  1. API key: with `api_key` set, every `/v1/*` route needs `Authorization: Bearer KEY`, else HTTP 401 with
-     an OpenAI-style error body (as vLLM and SGLang answer). /health, /metrics and /server_info stay open.
+  1. API key: with `api_key` set, every route needs `Authorization: Bearer KEY`, else HTTP 401 with an
+     OpenAI-style error body (as vLLM and SGLang answer): `/v1/*` and every admin route that changes state
+     (`/flush_cache`, and any added later: the rule lists what stays open, not what is guarded). Only
+     /health, /metrics and /server_info (read-only) stay open. Every role takes the key: a unified server,
+     the router, and the prefill and decode servers behind it (the router sends it on).
   2. Body size: a `Content-Length` over `max_request_bytes` is answered 413 before a byte of the body is
      read; a body without one (chunked) is counted as it streams in and cut off with 413 the moment it
      passes the limit. Either way the handler never sees it, so nothing is parsed or tokenized.
   3. The handler receives the whole (bounded) body, already buffered here.
 Later checks live with the handler: prompt text that could never fit the context (`max_prompt_chars`,
 400) and queue depth (503 + Retry-After, AsyncEngine).
+
+Where the key comes from (`api_key_of`, every role): `--api-key-file PATH` (refused when group or others may
+read it), else $SPECPD_API_KEY (as vLLM reads VLLM_API_KEY), else `--api-key KEY`, which works but shows the key
+in `ps` (a warning says so). `specpd serve --disagg` hands its children the key in their environment, never on a
+command line.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
+import stat
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -64,9 +74,43 @@ def is_loopback(host: str) -> bool:
 
 def warn_if_open(host: str, api_key: str | None, what: str) -> None:
     if api_key is None and not is_loopback(host):
-        logger.warning("%s binds %s with no API key: anyone who reaches this port can generate (a unified "
-                       "server or the router takes --api-key or %s; prefill and decode servers take none and "
-                       "belong on loopback)", what, host, API_KEY_ENV)
+        logger.warning("%s binds %s with no API key: anyone who reaches this port can generate (give it one in "
+                       "%s or --api-key-file)", what, host, API_KEY_ENV)
+
+
+class KeyFileError(SystemExit):
+    """--api-key-file names a file that cannot hold the key safely (or at all): the command stops with this message,
+    which names the path."""
+
+
+def read_key_file(path: str) -> str:
+    """The key in `path` (surrounding whitespace dropped); refused when group or others may access the file."""
+    try:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise KeyFileError(f"specpd serve: --api-key-file {path}: group or others may access it (mode "
+                               f"{stat.filemode(mode)}): chmod 600 {path}")
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise KeyFileError(f"specpd serve: --api-key-file {path}: cannot read it: {e.strerror or e}") from None
+    if not key:
+        raise KeyFileError(f"specpd serve: --api-key-file {path}: the file is empty")
+    return key
+
+
+def api_key_of(api_key: str | None, api_key_file: str | None, argv: list[str]) -> str | None:
+    """The key this server requires (module docstring): `api_key` is --api-key's value ($SPECPD_API_KEY when the
+    flag is not given), `argv` the command line, to tell a key typed there (and visible in `ps`)."""
+    typed = any(a == "--api-key" or a.startswith("--api-key=") for a in argv)
+    if api_key_file:
+        if typed:
+            raise KeyFileError("specpd serve: give --api-key-file or --api-key, not both")
+        return read_key_file(api_key_file)
+    if typed:
+        logger.warning("--api-key on the command line is visible to every user of this machine (ps); pass it "
+                       "in %s or --api-key-file instead", API_KEY_ENV)
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class _TooLarge(Exception):
@@ -89,7 +133,7 @@ class Admission:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS and not self._authorized(scope):
             self.on_refused("api_key")
             return await _reply(send, receive, 401, error_body("invalid or missing API key: send 'Authorization: "
                                                                "Bearer <key>'", None, 401, "authentication_error"),

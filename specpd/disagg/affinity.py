@@ -55,11 +55,13 @@ class AffinityPicker:
         self.urls = list(urls)
         self.inflight = {u: 0 for u in self.urls}
 
-    def pick(self, key: bytes) -> str:
-        if len(self.urls) == 1:
-            return self.urls[0]
-        best = max(self.urls, key=lambda u: hashlib.blake2b(key + u.encode(), digest_size=8).digest())
-        least = min(self.urls, key=lambda u: (self.inflight[u], u))
+    def pick(self, key: bytes, among: list[str] | None = None) -> str:
+        """`among`: the servers that may take it (the router's up ones; default all)."""
+        urls = among or self.urls
+        if len(urls) == 1:
+            return urls[0]
+        best = max(urls, key=lambda u: hashlib.blake2b(key + u.encode(), digest_size=8).digest())
+        least = min(urls, key=lambda u: (self.inflight[u], u))
         load, low = self.inflight[best], self.inflight[least]
         return least if load - low >= IMBALANCE and load > 1.5 * low else best
 

@@ -2,15 +2,19 @@
 never waits on the engine, so a long prefill batch or decode step never makes a live peer look dead.
 
 - `PrefillControl` (P): the ROUTER socket D's DEALERs talk to. It answers D's heartbeats at once with P's
-  load (rooms queued / in flight, seconds into the current step), and not at all once P's engine thread
-  died; it refuses a `DecodeRegister` with a mismatched config or for a room another D owns (it tracks each
-  room's owner until the engine thread sends the room's last message); everything else waits for the engine
-  thread in its inbox.
-- `DecodeControl` (D): one DEALER per P, created on the first message to it; pings every P that owes D rooms
-  each HEARTBEAT_INTERVAL_S and stamps every message from a P on its own clock (`heard`), so D's own long
-  engine step never reads as P's silence. A monitor on each DEALER records when its TCP connection to P
-  dropped (`lost`): a P process that exited closes it at once, so D asks P's bootstrap server again before
-  it trusts that route, however soon a restarted P is back (a frozen P keeps its connection).
+  load (rooms queued / in flight, seconds into the current step) and progress (engine steps finished, KV
+  writes ended), and not at all once P's engine thread died; it stamps every message from a D with its
+  arrival (`heard`, per D: a claimed room waits on P while its D speaks); it refuses a `DecodeRegister` with
+  a mismatched config or for a room another D owns (it tracks each room's owner until the engine thread
+  sends the room's last message); everything else waits for the engine thread in its inbox.
+- `DecodeControl` (D): one DEALER per P, created on the first message to it; pings every P that holds rooms of
+  D's each HEARTBEAT_INTERVAL_S and stamps every message from a P on its own clock (`heard`), so D's own long
+  engine step never reads as P's silence; a reply whose progress counters moved, or sent from inside an engine
+  step not yet longer than D's longest deadline (a long prefill step is work; a longer one is a wedged
+  engine), stamps `progressed`. A
+  monitor on each DEALER records when its TCP connection to P dropped (`lost`): a P process that exited
+  closes it at once, so D asks P's bootstrap server again before it trusts that route, however soon a
+  restarted P is back, and fails that P's rooms at once if it is gone (a frozen P keeps its connection).
 The engine threads (prefill.py, decode.py) talk to these through ControlThread's inbox and commands
 (worker.py); the control threads know those workers only by what they read of them (`PrefillSide`,
 `DecodeSide`), so this module imports neither.
@@ -40,6 +44,8 @@ class PrefillSide(Protocol):
     ctx: zmq.Context
     engine_failed: bool
     step_started: float | None
+    steps_done: int
+    writes_done: int
     inflight: dict
     peer_config: PeerConfig
 
@@ -52,6 +58,8 @@ class DecodeSide(Protocol):
     ctx: zmq.Context
     name: str
     heartbeat_timeout_s: float
+    prefill_timeout_s: float
+    transfer_timeout_s: float
 
 
 class PrefillControl(ControlThread):
@@ -65,12 +73,14 @@ class PrefillControl(ControlThread):
         self.endpoint = f"tcp://{advertise_host}:{self.router.bind_to_random_port(f'tcp://{host}')}"
         self.poller.register(self.router, zmq.POLLIN)
         self.owners: dict[int, bytes] = {}  # room -> the identity of the D that registered it first
+        self.heard: dict[bytes, float] = {}  # D's identity -> monotonic arrival of its last message (engine reads)
         self.heartbeats = 0
 
     def _peer_sockets(self):
         return [(self.router, None)]
 
     def _on_peer(self, sock, identity: bytes, msg, arrived_at: float) -> None:
+        self.heard[identity] = arrived_at
         if isinstance(msg, Heartbeat):
             w = self.worker
             if w.engine_failed:  # alive process, dead engine: D must see a dead P
@@ -78,7 +88,8 @@ class PrefillControl(ControlThread):
             started = w.step_started
             reply = Heartbeat(self.endpoint, msg.seq, time.time(), rooms_queued=w.rooms_queued(),
                               rooms_inflight=len(w.inflight),
-                              step_s=0.0 if started is None else max(0.0, time.monotonic() - started))
+                              step_s=0.0 if started is None else max(0.0, time.monotonic() - started),
+                              steps=w.steps_done, writes=w.writes_done)
             self._reply(identity, reply)
             self.heartbeats += 1
             return
@@ -134,7 +145,11 @@ class DecodeControl(ControlThread):
         self.lost: dict[str, float] = {}
         self._monitors: dict[bytes, zmq.Socket] = {}  # P's endpoint -> its DEALER's monitor (PAIR)
         self.load: dict[str, Heartbeat] = {}  # P's endpoint -> its last heartbeat reply
-        self.owing: frozenset[str] = frozenset()  # endpoints of Ps that owe us rooms (set by the engine thread)
+        # P's endpoint -> monotonic arrival of the last reply whose progress counters moved (read by the engine)
+        self.progressed: dict[str, float] = {}
+        # a P step running longer than D's longest deadline is a wedged engine, not progress
+        self.step_limit_s = max(worker.prefill_timeout_s, worker.transfer_timeout_s)
+        self.owing: frozenset[str] = frozenset()  # endpoints of Ps holding rooms of ours (set by the engine thread)
         self.rtt_s: collections.deque = collections.deque(maxlen=2000)  # heartbeat round trips, newest last
         self._pinged: dict[str, float] = {}
         self._sent: dict[int, float] = {}  # heartbeat seq -> monotonic send time
@@ -188,6 +203,10 @@ class DecodeControl(ControlThread):
             sent = self._sent.pop(msg.seq, None)
             if sent is not None:
                 self.rtt_s.append(arrived_at - sent)
+            last = self.load.get(name)
+            moved = last is not None and (last.steps, last.writes) != (msg.steps, msg.writes)
+            if moved or 0.0 < msg.step_s <= self.step_limit_s:  # a step finished, a write ended, or one runs
+                self.progressed[name] = arrived_at
             self.load[name] = msg
             return
         self._queue(name, msg, arrived_at)
@@ -199,11 +218,11 @@ class DecodeControl(ControlThread):
             logger.warning("prefill server %s is not reading its control socket: message dropped", endpoint)
 
     def _on_command(self, frames: list[bytes]) -> None:
-        if frames[0] == b"forget-peer":  # P is gone: drop its socket and what it queued
+        if frames[0] == b"forget-peer":  # P is gone (or replaced): drop its socket and all we knew of it
             self._drop_socket(frames[1])
-            self._pinged.pop(frames[1].decode(), None)
-            self.unanswered.pop(frames[1].decode(), None)
-            self.lost.pop(frames[1].decode(), None)
+            name = frames[1].decode()
+            for known in (self._pinged, self.unanswered, self.lost, self.load, self.progressed, self.heard):
+                known.pop(name, None)
 
     def _tick(self, now: float) -> None:
         self._read_monitors(now)

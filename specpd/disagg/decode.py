@@ -5,10 +5,11 @@ A request's life on D, keyed by its `bootstrap_room`:
      and PeerConfig (transfer backend included); `check_compatible` refuses a mismatched P with HTTP 400 naming
      both values (an unreachable bootstrap server: HTTP 502). The route is cached per P while P answers;
      one not heard for ROUTE_TRUST_S, found gone, or whose connection dropped (the process exited) is asked
-     again, so a restarted P's new control port is found however soon it is back.
-  1. prealloc queue: pages for positions 0..N-1 are reserved from the engine's allocator (waits while the
-     pool is short); then `DecodeRegister` and `KVDestination` (transfer session, pool layouts, page ids) go
-     to P over a DEALER socket (one per P).
+     again, so a restarted P's new control port is found however soon it is back (and the old one forgotten).
+  1. prealloc queue: `DecodeRegister` goes to P over a DEALER socket (one per P) as the request is admitted
+     (P now knows the room is claimed, and D's heartbeats tell it D is alive); pages for positions 0..N-1 are
+     reserved from the engine's allocator (waits while the pool is short); then `KVDestination` (transfer
+     session, pool layouts, page ids) goes to P.
   2. transfer queue: D polls its sockets; the room is ready once it holds both P's `HandoffRecord` and
      `TransferDone` (P's writes into the reserved pages completed). `TransferFailed` fails the request and
      frees the pages (P sends it only when no write is in flight).
@@ -18,18 +19,20 @@ A request's life on D, keyed by its `bootstrap_room`:
   3b. draft-on-decode-only: the same call runs the draft extend over the prompt from P's target features
      (the colocated engine's extend after prefill), which writes the draft KV and the first-round proposal.
   4. running: the engine's normal decode steps; the first writes y0's KV at position N.
-Abort (client gone): a room still in the prealloc queue is dropped; in the transfer queue D sends `Abort`
-and keeps the pages until P's TransferDone / TransferFailed / AbortAck says nothing is in flight, or until
-`abort_timeout_s` passed with no answer (P is dead; a frozen P could still write: DESIGN.md §6).
-Timeouts (the client gets an error at once, then the pages follow the abort rule above): waiting for
-prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) and waiting for the transfer
-(`transfer_timeout_s`, HandoffRecord -> TransferDone). Heartbeat: D's control thread (`DecodeControl`, control.py) pings
-every P that owes it rooms each HEARTBEAT_INTERVAL_S and stamps every message from P on its own clock, so
-D's own long engine step never reads as P's silence; P's silence is counted from its oldest unanswered ping to
-the control thread's last tick (`DecodeControl.silent_s`), so neither does a stall of D's whole process. P's
-control thread answers with its load: a busy P answers, and only the prefill / transfer timeouts bound its
-rooms. A P silent for `heartbeat_timeout_s` fails its rooms; if its bootstrap port refuses connections, or now
-names another control endpoint (P was restarted), the process is gone and the rooms' pages are freed at once.
+Abort (client gone): a room still in the prealloc queue is dropped (`Abort` tells P, which holds only its
+registration); in the transfer queue D sends `Abort` and keeps the pages until P's TransferDone /
+TransferFailed / AbortAck says nothing is in flight, or until `abort_timeout_s` passed with no answer (P is
+dead; a frozen P could still write: DESIGN.md §6).
+When D stops waiting for P (decode_watch.py; the client gets an error at once, then the pages follow the abort
+rule above): waiting for prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) or for the transfer
+(`transfer_timeout_s`, HandoffRecord -> TransferDone) with no progress of the room or its P for that long;
+a P silent for `heartbeat_timeout_s`; a P whose connection dropped and whose bootstrap port refuses or names
+another endpoint (gone: the pages are freed at once). Heartbeat: D's control thread (`DecodeControl`,
+control.py) pings every P that holds rooms of D's each HEARTBEAT_INTERVAL_S and stamps every message from P on
+its own clock, so D's own long engine step never reads as P's silence; P's silence is counted from its oldest
+unanswered ping to the control thread's last tick (`DecodeControl.silent_s`), so neither does a stall of D's
+whole process. P's control thread answers with its load and progress: a busy P answers, and its rooms wait as
+long as it makes progress.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from specpd.core import InvalidRequest, SamplingParams, TokenLogprob
 from specpd.disagg.bootstrap import BootstrapUnreachable, Route, fetch_route
 from specpd.disagg.control import HEARTBEAT_INTERVAL_S, DecodeControl
+from specpd.disagg.decode_watch import PrefillWatch
 from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord, KVDestination,
                                     PeerConfig, TargetFeatures, TransferDone, TransferFailed, check_compatible)
 from specpd.disagg.timeline import between, describe
@@ -55,18 +59,7 @@ logger = logging.getLogger(__name__)
 ROUTE_TRUST_S = 2 * HEARTBEAT_INTERVAL_S
 
 
-def _prefill_gone(info: BootstrapInfo, endpoint: str, timeout_s: float = 1.0) -> bool:
-    """Is the P that owned `endpoint` gone? Its bootstrap port refuses (the process exited), or answers with
-    another control endpoint (a new P in its place). A timeout: alive but frozen, it could still write."""
-    try:
-        return fetch_route(info.host, info.port, timeout=timeout_s).zmq_endpoint != endpoint
-    except ConnectionRefusedError:
-        return True
-    except OSError as e:
-        return isinstance(getattr(e, "reason", None), ConnectionRefusedError)
-
-
-@dataclass
+@dataclass(eq=False)  # a room is itself: compared by identity (prealloc_queue.remove)
 class _Room:
     request_id: str
     prompt_token_ids: list[int]
@@ -83,6 +76,7 @@ class _Room:
     aborted_at: float | None = None  # monotonic time D sent Abort
     sent_at: float = 0.0  # monotonic time KVDestination went to P (the wait for P starts)
     record_at: float | None = None  # monotonic time the HandoffRecord arrived (the wait for the KV starts)
+    heard_at: float = 0.0  # monotonic arrival of P's last message for the room (progress: decode_watch.py)
     error: str | None = None  # why D gave up on the room (reported once its pages are safe to free)
     marks: dict = field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
 
@@ -94,7 +88,7 @@ _D_STAGES = [("d_admit", "received", "queued"), ("d_prealloc", "queued", "offere
              ("d_ttft", "received", "first_token")]
 
 
-class DecodeWorker(DisaggWorker):
+class DecodeWorker(PrefillWatch, DisaggWorker):
     role = "decode"
 
     def __init__(self, engine, transfer_backend: str, host: str = "127.0.0.1", abort_timeout_s: float = 30.0,
@@ -110,7 +104,7 @@ class DecodeWorker(DisaggWorker):
         self.local_prefill_tokens = local_prefill_tokens
         self.local_prefills = 0
         self.draft_streamed_tokens = 0  # decode-only: prompt positions drafted from TargetFeatures before commit
-        self._silent_since: dict[str, float] = {}  # P's endpoint -> when the heartbeat rule last fired for it
+        self._init_watch()
         self.name = f"decode@{host}:{os.getpid()}"
         # P's bootstrap address -> (route, monotonic fetch time); HTTP handler threads and the engine thread
         self._routes: dict[tuple[str, int], tuple[Route, float]] = {}
@@ -133,6 +127,7 @@ class DecodeWorker(DisaggWorker):
         # it is asked again however soon it is back and however recently it spoke
         if (route is None or route.zmq_endpoint in self.control.lost
                 or now - max(fetched, self.control.heard.get(route.zmq_endpoint, 0.0)) > ROUTE_TRUST_S):
+            stale = route
             try:
                 route = fetch_route(info.host, info.port)
             except OSError as e:
@@ -140,6 +135,8 @@ class DecodeWorker(DisaggWorker):
                                            f"unreachable: {e}") from None
             with self._lock:
                 self._routes[key] = (route, now)
+            if stale is not None and stale.zmq_endpoint != route.zmq_endpoint:
+                self.replaced(stale.zmq_endpoint)  # a new P there: the old one is forgotten once it holds no room
         try:
             check_compatible(PeerConfig(**route.config), self.peer_config)
         except (ConfigMismatch, TypeError) as e:
@@ -147,12 +144,6 @@ class DecodeWorker(DisaggWorker):
         with self._lock:
             self._routes_by_request[request_id] = route
         self.expect(request_id, info, received_at)
-
-    def _forget_route(self, endpoint: str) -> None:
-        """P behind `endpoint` is gone or silent: the next request asks its bootstrap server again."""
-        with self._lock:
-            for key in [k for k, (r, _) in self._routes.items() if r.zmq_endpoint == endpoint]:
-                del self._routes[key]
 
     # -- engine interface ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
@@ -162,6 +153,7 @@ class DecodeWorker(DisaggWorker):
         self.engine.validate_request(request_id, prompt_token_ids, params)
         if any(r.info.room == info.room for r in self.prealloc_queue) or info.room in self.transfer_queue:
             raise InvalidRequest("bootstrap_room", f"room {info.room} is already in use on this decode server")
+        self._send(route.zmq_endpoint, DecodeRegister(info.room, "", self.peer_config))  # stage 1: claimed
         self.prealloc_queue.append(_Room(request_id, list(prompt_token_ids), params, info, route,
                                          marks={"received": received_at, "queued": time.monotonic()}))
 
@@ -169,6 +161,7 @@ class DecodeWorker(DisaggWorker):
         for room in self.prealloc_queue:
             if room.request_id == request_id:
                 self.prealloc_queue.remove(room)
+                self._abort_registered(room, "client gone")
                 self._final(request_id, len(room.prompt_token_ids), "abort")
                 return
         for room in self.transfer_queue.values():
@@ -195,10 +188,18 @@ class DecodeWorker(DisaggWorker):
 
     def on_message(self, endpoint: str, msg, arrived_at: float) -> None:
         room = self.transfer_queue.get(getattr(msg, "room", None))
+        waiting = None if room is not None else next(
+            (r for r in self.prealloc_queue if r.info.room == getattr(msg, "room", None)), None)
+        if waiting is not None and isinstance(msg, TransferFailed):  # P refused the registration: no pages yet
+            self.prealloc_queue.remove(waiting)
+            self._final(waiting.request_id, len(waiting.prompt_token_ids), "abort",
+                        error=f"prefill server failed the handoff: {msg.reason}")
+            return
         if room is None:  # an AbortAck after P's TransferFailed already closed the room is expected
             level = logging.DEBUG if isinstance(msg, AbortAck) else logging.WARNING
             logger.log(level, "%s for unknown room %s", type(msg).__name__, getattr(msg, "room", None))
             return
+        room.heard_at = arrived_at
         if isinstance(msg, HandoffRecord):
             room.record = msg
             room.record_at = room.marks["record"] = arrived_at
@@ -245,46 +246,6 @@ class DecodeWorker(DisaggWorker):
             self._final(room.request_id, len(room.prompt_token_ids), "abort", error=error)
         self._send(room.route.zmq_endpoint, Abort(room.info.room, reason))
 
-    def _watch_prefill_servers(self, now: float) -> None:
-        """Timeouts per room; the set of Ps the control thread pings; a P silent on the control thread's clock
-        is probed and, if gone, its rooms' pages are freed at once (a dead process writes nothing; a frozen
-        one might: abort timeout). A P that answers heartbeats is never failed here, however busy."""
-        owing: set[str] = set()  # P endpoints with rooms (aborted ones included: P still owes an AbortAck)
-        for room in list(self.transfer_queue.values()):
-            owing.add(room.route.zmq_endpoint)
-            if room.aborted_at is None:
-                last = self.control.load.get(room.route.zmq_endpoint)
-                load = f" (prefill server {last.load})" if last is not None else ""
-                if room.record is None and now - room.sent_at > self.prefill_timeout_s:
-                    self._give_up(room, f"prefill of room {room.info.room} did not finish within "
-                                        f"{self.prefill_timeout_s:g} s{load}", "prefill timeout")
-                elif room.record_at is not None and now - room.record_at > self.transfer_timeout_s:
-                    self._give_up(room, f"KV transfer of room {room.info.room} did not finish within "
-                                        f"{self.transfer_timeout_s:g} s{load}", "transfer timeout")
-        self.control.owing = frozenset(owing)  # the control thread pings these
-        for endpoint in owing:
-            waiting = [r for r in self.transfer_queue.values() if r.route.zmq_endpoint == endpoint]
-            since = max([self._silent_since.get(endpoint, 0.0)] + [r.sent_at for r in waiting])
-            silent = self.control.silent_s(endpoint)
-            if now - since <= self.heartbeat_timeout_s or silent <= self.heartbeat_timeout_s:
-                continue
-            gone = _prefill_gone(waiting[0].info, endpoint)
-            error = (f"prefill server {endpoint} is {'gone' if gone else 'not answering'}: no heartbeat "
-                     f"for {silent:.1f} s")
-            self._forget_route(endpoint)
-            for room in waiting:
-                if gone:  # nothing can still write into these pages
-                    del self.transfer_queue[room.info.room]
-                    self._free_pages(room)
-                    if room.aborted_at is None or room.error is None:  # its final output is still owed
-                        self._final(room.request_id, len(room.prompt_token_ids), "abort",
-                                    error=error if room.aborted_at is None else None)
-                else:
-                    self._give_up(room, error, "prefill server silent")
-            if gone:
-                self.control.command(b"forget-peer", endpoint.encode())
-            self._silent_since[endpoint] = now  # probe again after another heartbeat timeout
-
     def advance(self) -> None:
         allocator = self.engine.scheduler.allocator
         page_size = self.peer_config.page_size
@@ -307,7 +268,6 @@ class DecodeWorker(DisaggWorker):
                 break
             self.prealloc_queue.pop(0)
             endpoint = room.route.zmq_endpoint
-            self._send(endpoint, DecodeRegister(room.info.room, "", self.peer_config))
             if local:  # D holds all but a short suffix: prefill it here, P drops the room
                 self._send(endpoint, KVDestination(room.info.room, tuple(self.kv.endpoints), [],
                                                    cached_tokens=cached, prefill_locally=True))

@@ -2,9 +2,9 @@
 
 One request's handoff, keyed by `bootstrap_room` (the router draws it and sends it to both sides):
 
-1. D -> P `DecodeRegister`: room, D's control endpoint, D's `PeerConfig`. P runs `check_compatible` and
-   answers a mismatch with `TransferFailed` naming both values; D refuses a mismatched P the same way
-   from P's config (bootstrap `/route`).
+1. D -> P `DecodeRegister`: room, D's control endpoint, D's `PeerConfig`, as D admits the request (before
+   its pages: P knows the room is claimed). P runs `check_compatible` and answers a mismatch with
+   `TransferFailed` naming both values; D refuses a mismatched P the same way from P's `/route` config.
 2. D -> P `KVDestination`: room, every D rank's transfer endpoint (session, page pools and the KV heads and
    layers each holds), the destination page ids (D allocated them in its prealloc queue). P's sender is now
    WaitingForInput -> Transferring.
@@ -19,10 +19,11 @@ One request's handoff, keyed by `bootstrap_room` (the router draws it and sends 
 6. Abort: D -> P `Abort` (client gone, timeout). P stops issuing writes for the room and answers `AbortAck`
    once no write into D's pages is in flight; only then does D free the destination pages (or after a hard
    timeout if P is dead). P -> D `Abort` means P dropped the request and has no write in flight.
-7. `Heartbeat`: D -> P on a fixed interval while P owes D rooms; P's control thread answers at once with its
-   load (rooms queued, rooms in flight, how long its engine has been in the current step), so D tells a busy
-   P from a dead one: a P that answers is alive however slow, and only the prefill / transfer timeouts bound
-   its rooms. Silence (measured by D's control thread, never by D's engine step) marks P dead.
+7. `Heartbeat`: D -> P on a fixed interval while D holds rooms of P's; P's control thread answers at once with
+   its load (rooms queued, rooms in flight, how long its engine has been in the current step) and its progress
+   (engine steps finished, KV writes ended), so D tells a busy P from a dead one: a P that answers is
+   alive however slow, and the prefill / transfer timeouts count only time in which it made no progress.
+   Silence (measured by D's control thread, never by D's engine step) marks P dead.
 
 Wire format (ZMQ multipart): frame 0 is a JSON header `{"v": 1, "type": <class name>, "body": {...}}`,
 frames 1.. are the raw bytes of the tensors the body refers to as `{"__tensor__": i, "dtype", "shape"}`.
@@ -255,6 +256,8 @@ class Heartbeat:
     rooms_queued: int = 0  # P: rooms waiting for their D or for / inside a prefill
     rooms_inflight: int = 0  # P: rooms whose KV is being written
     step_s: float = 0.0  # P: how long its engine has been inside the current step (0 when between steps)
+    steps: int = 0  # P's progress since it started: engine steps finished (prefill chunks, any room's)
+    writes: int = 0  # P's progress since it started: KV writes ended (each chunk's streamed pages, each rest)
 
     @property
     def load(self) -> str:

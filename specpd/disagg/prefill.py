@@ -11,7 +11,7 @@ A request's life on P, keyed by its `bootstrap_room`:
      parked) stay within half of P's pool; D's destination joins it when it comes (it may announce D's
      cached prefix or that D prefills itself, which P learns only then).
   2b. parked: a room prefilled before its destination came holds its pages here until it comes (then 3), or
-     until `bootstrap_timeout_s` after its request (then it fails and the pages return).
+     until the bootstrap timeout (below; then it fails and the pages return).
   2c. streaming (chunked prefill, D's destination known; on by default, `--no-pd-stream-chunks`): each
      chunk's newly completed full pages (and, draft-on-decode-only, its target features) go to D while the
      next chunk computes (prefill_send.py).
@@ -21,8 +21,11 @@ A request's life on P, keyed by its `bootstrap_room`:
   5. free: `engine.release_handoff` frees the pages and the HTTP request is answered (finish_reason
      "handoff", or an error -> the router drops D's request).
 A room is unique on P: a second request or a second D's DecodeRegister for a room in use is refused
-(HTTP 400 / TransferFailed to that D) and the first owner goes on. A room no D claims within
-`bootstrap_timeout_s` fails.
+(HTTP 400 / TransferFailed to that D) and the first owner goes on. The bootstrap timeout (`bootstrap_timeout_s`)
+counts silence, not waiting: a room no D claimed (no DecodeRegister) fails that long after its request came; a
+claimed room waiting for its destination (D registers as it admits the request, then waits for pages of its
+own) fails only once its D has said nothing (no message, no heartbeat: D pings while it holds rooms of P's)
+for that long. A registration whose request never came fails that long after it.
 Control thread (`PrefillControl`, control.py): the ROUTER socket, heartbeats answered with P's load, room
 ownership; everything else reaches the engine thread through its inbox.
 Abort (client / router gone) drops a room still in the bootstrap queue; a room in the engine is aborted
@@ -65,6 +68,7 @@ class PrefillWorker(PrefillSender, DisaggWorker):
         self.prefilling: dict[str, PrefillRoom] = {}  # request id -> room in the engine
         self.parked: dict[int, PrefillRoom] = {}  # prefilled before D's destination came: holding their pages
         self.inflight: dict[int, PrefillRoom] = {}
+        self.writes_done = 0  # KV writes seen ended (P's heartbeat reports it as progress)
         self.control = PrefillControl(self, host, self.advertise_host)
         self.endpoint = self.control.endpoint
         self.control.start()
@@ -181,18 +185,32 @@ class PrefillWorker(PrefillSender, DisaggWorker):
                 self._fail(room, f"prefill ended with {out.finish_reason}", notify_decode=True)
         return passed
 
+    def _unclaimed_error(self, room_id: int, room: PrefillRoom, now: float) -> str | None:
+        """Why a room waiting for its destination fails now (the bootstrap timeout: module docstring), or None."""
+        registered = self._registered.get(room_id)
+        if registered is None:
+            if now - room.added_at > self.bootstrap_timeout_s:
+                return f"no decode server claimed room {room_id} within {self.bootstrap_timeout_s:g} s"
+            return None
+        identity, _, at = registered
+        silent = now - max(room.added_at, at, self.control.heard.get(identity, 0.0))
+        if silent > self.bootstrap_timeout_s:
+            return (f"the decode server that claimed room {room_id} has been silent for {silent:.0f} s "
+                    f"(--pd-bootstrap-timeout {self.bootstrap_timeout_s:g} s) and never offered its pages")
+        return None
+
     def advance(self) -> None:
         now = time.monotonic()
+        self._note_writes()
         for queue in (self.bootstrap_queue, self.parked):
             for room_id, room in list(queue.items()):
-                if now - room.added_at > self.bootstrap_timeout_s:  # D never registered the room
+                if (error := self._unclaimed_error(room_id, room, now)) is not None:
                     if queue is self.parked:
                         self._unpark(room_id, forget=True)
                     else:
                         del self.bootstrap_queue[room_id]
                         self._drop_room_state(room_id, forget=True)
-                    self._final(room.request_id, len(room.prompt_token_ids), "abort", error=f"no decode server "
-                                f"claimed room {room_id} within {self.bootstrap_timeout_s:g} s")
+                    self._final(room.request_id, len(room.prompt_token_ids), "abort", error=error)
         for room in [*self.prefilling.values(), *self.parked.values()]:  # optimistic rooms: has their D come?
             if room.destination is None and room.info.room in self._registered \
                     and room.info.room in self._destinations:
@@ -227,6 +245,7 @@ class PrefillWorker(PrefillSender, DisaggWorker):
             if any(h.poll() is TransferStatus.PENDING for h in room.handles):
                 continue
             del self.inflight[room_id]  # no write of the room is in flight: its pages may go, D may hear
+            self.writes_done += len(room.handles) - room.writes_ended
             results = [h.wait() for h in room.handles]
             self.engine.release_handoff(room.request_id)
             failed = next((r for r in results if not r.ok), None)

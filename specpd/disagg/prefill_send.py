@@ -54,6 +54,7 @@ class PrefillRoom:
     marks: dict = dataclasses.field(default_factory=dict)  # stage boundary -> monotonic time (timeline.py)
     chunks: list = dataclasses.field(default_factory=list)  # (start, end) of each prefill chunk's engine step
     computed: int = 0  # prompt tokens with KV as of the last engine step (a new chunk when it grows)
+    writes_ended: int = 0  # of `handles`, those seen ended (counted once into P's progress)
     page_size: int = 0  # P's page size
 
     @property
@@ -71,8 +72,9 @@ _P_STAGES = [("p_admit", "received", "queued"), ("p_wait_destination", "queued",
 
 class PrefillSender:
     """PrefillWorker's handoff half (module docstring): streams each chunk's pages and features, sends the
-    record and the rest. It reads the worker's engine, peer_config, stream_chunks, last_step, prefilling,
-    control, kv (its ranks' transfer endpoints), inflight and stages."""
+    record and the rest, counts the writes that ended. It reads the worker's engine, peer_config, stream_chunks,
+    last_step, prefilling, control, kv (its ranks' transfer endpoints), inflight and stages, and keeps its
+    writes_done."""
 
     def _note_chunks(self) -> None:
         """A room whose prompt KV grew in the last engine step computed a chunk in it (timeline.py); one still
@@ -88,6 +90,14 @@ class PrefillSender:
                     self._stream(room, running)
                     self._stream_features(room, running)
             room.computed = computed
+
+    def _note_writes(self) -> None:
+        """Count the writes that ended since the last step into `writes_done` (P's progress: a D waiting for a
+        room's KV waits as long as writes keep landing)."""
+        for room in [*self.prefilling.values(), *self.inflight.values()]:
+            ended = sum(1 for h in room.handles if h.poll() is not TransferStatus.PENDING)
+            self.writes_done += ended - room.writes_ended
+            room.writes_ended = ended
 
     def _stream(self, room: PrefillRoom, req) -> None:
         """Submit the full pages a prefilling room completed since its last write (module docstring, 2c)."""

@@ -227,6 +227,7 @@ class DisaggWorker:
         self.control: ControlThread | None = None  # the subclass builds and starts it
         self.step_started: float | None = None  # monotonic start of the engine step running now (for load)
         self.last_step: tuple[float, float] = (0.0, 0.0)  # monotonic start and end of the last engine step
+        self.steps_done = 0  # engine steps finished (P's heartbeat reports it as progress)
         self.engine_failed = False  # step() raised: the engine thread is gone (busy is not dead; this is)
         self._expected: dict[str, tuple[BootstrapInfo, float]] = {}  # request id -> (room, monotonic arrival)
         self.stages = StageStats()  # the TTFT breakdown (timeline.py), observed as each room's stages end
@@ -306,6 +307,7 @@ class DisaggWorker:
             finally:
                 self.last_step = (self.step_started, time.monotonic())
                 self.step_started = None
+                self.steps_done += 1
         else:  # nothing to compute: wait a moment for a peer's message rather than spin
             self._take_messages(IDLE_POLL_S)
         outputs = self.on_engine_outputs(outputs)

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import time
 
@@ -32,6 +31,8 @@ PD_SWITCH_INTERVAL_S = 0.0005  # a transfer thread waits at most this long for t
 
 # -- serve -----------------------------------------------------------------------------------
 def serve(args: argparse.Namespace) -> int:
+    from specpd.admission import api_key_of, warn_if_open
+    args.api_key = api_key_of(args.api_key, args.api_key_file, args.argv)  # every role takes it (a bad file exits)
     if args.disagg:  # a whole PD cluster as child processes (no torch in this one)
         from specpd.server.cluster import run_cluster
         return run_cluster(args, args.argv)
@@ -42,11 +43,10 @@ def serve(args: argparse.Namespace) -> int:
         if not args.prefill or not args.decode:
             print("specpd serve --role router needs --prefill URL and --decode URL", file=sys.stderr)
             return 2
-        from specpd.admission import warn_if_open
         warn_if_open(args.host, args.api_key, "the router")
         app = create_router_app(args.prefill, args.decode, args.bootstrap_port,
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
-                                cluster_ready_file=args.cluster_ready_file)
+                                cluster_ready_file=args.cluster_ready_file, restart_wait_s=args.pd_restart_wait)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                timeout_graceful_shutdown=5))
         asyncio.run(_serve(server, args.host, args.port, "router", role="router"))
@@ -100,12 +100,10 @@ def serve(args: argparse.Namespace) -> int:
     # loaded, calibrated and stepped on one thread: the engine's torch ops never leave it (EngineThread)
     engine_thread = EngineThread(args.engine_priority)
     engine = engine_thread.run(build)
-    from specpd.admission import warn_if_open
-    api_key = args.api_key if args.role == "unified" else None  # P and D serve only the router
-    warn_if_open(args.host, api_key, f"the {args.role} server")
+    warn_if_open(args.host, args.api_key, f"the {args.role} server")
     app = create_app(engine, role=args.role, engine_priority=args.engine_priority, engine_thread=engine_thread,
                      max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-                     api_key=api_key, served_model_names=args.served_model_name)
+                     api_key=args.api_key, served_model_names=args.served_model_name)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     asyncio.run(_serve(server, args.host, args.port, (args.served_model_name or [engine.model_name])[0],
@@ -191,10 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "transfer threads preempt it the moment they wake (a CPU server whose core also "
                         "moves its KV). Only on a box dedicated to serving: any other busy process "
                         "starves a low-priority engine (default: normal)")
-    adm = p.add_argument_group("admission (unified server and router)")
-    adm.add_argument("--api-key", default=os.environ.get("SPECPD_API_KEY") or None, metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); /health and /metrics "
-                          "stay open. Prefill and decode servers take none (default: $SPECPD_API_KEY, else none)")
+    adm = p.add_argument_group("admission (every role; --disagg passes the key to its children)")
+    adm.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on all but /health, "
+                     "/metrics, /server_info (401); ps shows it: use $SPECPD_API_KEY or --api-key-file (default: none)")
+    adm.add_argument("--api-key-file", metavar="PATH", help="read the key from PATH (refused if group/others may)")
     adm.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="N",
                      help="larger request bodies get HTTP 413 before they are parsed (default: 8 MiB)")
     adm.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
@@ -212,12 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --transfer-protocol rdma: the RDMA NICs mooncake may use, comma-separated (e.g. "
                          "mlx5_0,mlx5_1; default: mooncake picks)")
     pd.add_argument("--bootstrap-port", type=int, default=8998,
-                    help="prefill: port of the bootstrap registry (/route, /health); router: the prefill "
-                         "server's (default: 8998)")
+                    help="prefill: the bootstrap registry's port (/route, /health); router: P's (default: 8998)")
     pd.add_argument("--prefill", metavar="URL", help="router: the prefill server, e.g. http://127.0.0.1:8100")
     pd.add_argument("--decode", metavar="URL", help="router: the decode server, e.g. http://127.0.0.1:8200")
     pd.add_argument("--disagg", metavar="NpMd",
                     help="run a PD cluster: N prefill + M decode servers and a router on --port (e.g. 1p1d)")
+    pd.add_argument("--pd-restart-wait", type=float, default=15.0, metavar="S", help="router: a request waits up to S "
+                    "s for a P or D that is down (restarting), then gets 503 + Retry-After (default: 15)")
     pd.add_argument("--cluster-ready-file", metavar="PATH",
                     help="router: /health answers 503 until PATH exists (--disagg sets it: the router's /health "
                          "is 200 only once the launcher has printed its ready line and supervises the cluster)")
@@ -229,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--prefill-port", type=int, help="--disagg: first prefill server's port (default: --port+1)")
     pd.add_argument("--decode-port", type=int, help="--disagg: first decode server's port (default: --port+1+N)")
     pd.add_argument("--pd-bootstrap-timeout", type=float, default=300.0, metavar="S",
-                    help="prefill: fail a request no decode server claims within S seconds (default: 300)")
+                    help="prefill: fail a request no decode server claims, or whose D is silent, S s (default: 300)")
     pd.add_argument("--pd-optimistic-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill: start a request's prefill before its decode server offered pages (rooms "
                          "without them hold at most half of P's pool and wait --pd-bootstrap-timeout at most)")
@@ -238,11 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "while the next chunk computes (the handoff record and the last pages follow the last "
                          "chunk)")
     pd.add_argument("--pd-prefill-timeout", type=float, default=300.0, metavar="S",
-                    help="decode: fail a request whose handoff record has not come S seconds after the pages "
-                         "were offered (waiting for prefill) (default: 300)")
+                    help="decode: fail a request waiting for its handoff record once neither it nor its prefill "
+                         "server made progress for S seconds (default: 300)")
     pd.add_argument("--pd-transfer-timeout", type=float, default=60.0, metavar="S",
-                    help="decode: fail a request whose KV has not landed S seconds after its handoff record "
-                         "(waiting for transfer) (default: 60)")
+                    help="decode: fail a request waiting for its KV once neither it nor its prefill server made "
+                         "progress (no KV write ended) for S seconds (default: 60)")
     pd.add_argument("--pd-heartbeat-timeout", type=float, default=10.0, metavar="S",
                     help="decode: a prefill server silent for S seconds while it owes rooms is dead (default: 10)")
     pd.add_argument("--advertise-host", metavar="HOST",

@@ -12,7 +12,12 @@
    cores is divided between them (--num-threads is per rank).
    Children: N prefill servers (`--role prefill`, HTTP on --prefill-port (default --port+1) and up, bootstrap
    on --bootstrap-port and up), M decode servers (HTTP on --decode-port (default --port+1+N) and up), each a
-   `python -m specpd serve` process with every engine flag of this command line.
+   `python -m specpd serve` process with every engine flag of this command line. P and D bind loopback
+   whatever --host says (their HTTP, bootstrap, control and transfer sockets: only the router, on this box,
+   talks to them); the router binds --host.
+   The API key (--api-key-file, $SPECPD_API_KEY or --api-key; admission.py) goes to every child in its
+   environment (SPECPD_API_KEY), never on a command line (`ps` shows those to every user): the router and
+   P and D all require it, and the router sends it to P and D.
 3. Once every P and D answers /health, the router (`--role router`) starts on --port in front of them, with
    --cluster-ready-file: its /health answers 503 ("cluster starting") until that file exists. When the router's
    app answers, the launcher prints the ready line and then creates the file, so nothing sees the router's
@@ -21,13 +26,15 @@
 4. Supervision, from the moment a child first answered its health check, whatever the others are doing (the
    router may still be starting): a child that exits, or whose health check fails for HEALTH_GRACE_S in a row
    (P, D: /health 200 within HEALTH_TIMEOUT_S; the router: any answer of its own app, since its /health waits
-   on and reports its backends; a loaded server answers late, never that late), is stopped and started again
+   on and reports its backends; a loaded server answers late, never that late), or whose /health answers an
+   error DEAD_GRACE_S in a row (P, D: the server runs but its engine died, so it cannot generate: no load makes
+   it answer that), is stopped and started again
    with the same command line (same ports) after a backoff (1, 2, 4 .. 30 s, reset once it stayed up
-   STABLE_S), each step logged. Meanwhile the router serves through the others and fails only the requests
-   that need the dead child (an HTTP error naming it). A restarted D comes back with an empty pool (P's rooms
-   toward the old D fail by the transfer rules); a restarted P has new control ports, which D re-resolves
-   from the bootstrap port once the old ones stop answering. A child that cannot come back MAX_FAILED_STARTS
-   times in a row stops the cluster.
+   STABLE_S), each step logged. Meanwhile the router serves through the others; a request that needs the
+   dead child waits for it a bounded time, then gets 503 with Retry-After (router.py). A restarted D comes
+   back with an empty pool (P's rooms toward the old D fail by the transfer rules); a restarted P has new
+   control ports, which D re-resolves from the bootstrap port once the old connection dropped. A child that
+   cannot come back MAX_FAILED_STARTS times in a row stops the cluster.
 5. Ctrl-C / SIGTERM stops all children.
 """
 from __future__ import annotations
@@ -45,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 
+from specpd.admission import API_KEY_ENV
 from specpd.machine import split_cores, usable_cores
 from specpd.server.ready import ready_message
 
@@ -54,14 +62,17 @@ STARTING_INTERVAL_S = 0.2  # between health checks of a child that is starting
 SUPERVISE_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 10.0  # a P or D busy with a burst on a shared box answered /health in > 5 s (pd_load)
 HEALTH_GRACE_S = 60.0  # failing this long in a row is a hung server, not a busy one
+DEAD_GRACE_S = 3.0  # /health answering an error this long in a row: the engine is dead (a busy one answers 200)
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0  # up this long: the next crash restarts after the shortest backoff again
 MAX_FAILED_STARTS = 5  # restarts in a row that never became healthy
 # flags this launcher sets itself per child; everything else is passed to every P and D
 _OWN_FLAGS = {"--disagg": 1, "--port": 1, "--role": 1, "--prefill-port": 1, "--decode-port": 1,
               "--bootstrap-port": 1, "--prefill": 1, "--decode": 1, "--host": 1, "--log-level": 1,
-              "--transfer-backend": 1, "--api-key": 1, "--cluster-ready-file": 1,  # the key guards the router only
-              "--prefill-tp": 1, "--decode-tp": 1}
+              "--transfer-backend": 1, "--api-key": 1, "--api-key-file": 1,  # the key: in the environment
+              "--cluster-ready-file": 1, "--advertise-host": 1, "--prefill-tp": 1, "--decode-tp": 1,
+              "--pd-restart-wait": 1}
+LOOPBACK = "127.0.0.1"  # where P and D listen (module docstring, step 2)
 _PROBE = ("from specpd.disagg.transfer import backend_available as a; ok, why = a('mooncake'); "
           "print('' if ok else why)")
 
@@ -108,7 +119,7 @@ def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: 
     """(prefill commands, decode commands, router command)."""
     n_p, n_d = parse_layout(args.disagg)
     rest = passthrough(argv)
-    base = [sys.executable, "-m", "specpd", "serve", "--host", args.host, "--log-level", args.log_level]
+    base = [sys.executable, "-m", "specpd", "serve", "--host", LOOPBACK, "--log-level", args.log_level]
     pd = ["--transfer-backend", transfer_backend]
     p_port = args.prefill_port or args.port + 1
     d_port = args.decode_port or args.port + 1 + n_p
@@ -123,25 +134,36 @@ def child_commands(args: argparse.Namespace, argv: list[str], transfer_backend: 
                        str(args.bootstrap_port + i)] + pd + rest + threads(p_threads[i], p_tp) for i in range(n_p)]
     decode = [base + ["--role", "decode", "--port", str(d_port + j)] + pd + rest + threads(d_threads[j], d_tp)
               for j in range(n_d)]
-    p_urls = ",".join(f"http://{args.host}:{p_port + i}" for i in range(n_p))
-    d_urls = ",".join(f"http://{args.host}:{d_port + j}" for j in range(n_d))
-    router = base + ["--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,
-                     "--bootstrap-port", str(args.bootstrap_port), "--max-request-bytes", str(args.max_request_bytes)]
-    if args.api_key:
-        router += ["--api-key", args.api_key]
+    p_urls = ",".join(f"http://{LOOPBACK}:{p_port + i}" for i in range(n_p))
+    d_urls = ",".join(f"http://{LOOPBACK}:{d_port + j}" for j in range(n_d))
+    router = [sys.executable, "-m", "specpd", "serve", "--host", args.host, "--log-level", args.log_level,
+              "--role", "router", "--port", str(args.port), "--prefill", p_urls, "--decode", d_urls,
+              "--bootstrap-port", str(args.bootstrap_port), "--max-request-bytes", str(args.max_request_bytes),
+              "--pd-restart-wait", str(args.pd_restart_wait)]
     return prefill, decode, router
+
+
+def child_env(api_key: str | None) -> dict[str, str]:
+    """Every child's environment: ours, with the cluster's key (or none) in SPECPD_API_KEY."""
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    return {**env, API_KEY_ENV: api_key} if api_key else env
 
 
 def _url(cmd: list[str]) -> str:
     return f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
 
 
-def _healthy(base: str) -> bool:
+OK, SILENT, DEAD = "ok", "silent", "dead"  # a health check's outcomes: 200; no answer; an error answer
+
+
+def _health(base: str) -> str:
     try:
         with urllib.request.urlopen(base + "/health", timeout=HEALTH_TIMEOUT_S) as resp:
-            return resp.status == 200
+            return OK if resp.status == 200 else DEAD
+    except urllib.error.HTTPError:  # the server answers that it cannot generate (its engine died)
+        return DEAD
     except (OSError, http.client.HTTPException):  # refused, timed out, or cut off mid-answer (a server killed)
-        return False
+        return SILENT
 
 
 def _answers(base: str) -> bool:
@@ -163,8 +185,8 @@ def _log(message: str) -> None:
 class _Child:
     """One supervised server: its command line, process, and restart state."""
 
-    def __init__(self, cmd: list[str]):
-        self.cmd = cmd
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
+        self.cmd, self.env = cmd, env
         self.url = _url(cmd)
         self.role = cmd[cmd.index("--role") + 1]
         self.name = f"{self.role} {self.url}"
@@ -173,18 +195,22 @@ class _Child:
         self.ever_up = False  # answered one since the launcher began: from then on a death is a restart case
         self.started_at = self.up_since = 0.0
         self.failing_since: float | None = None
+        self.dead_since: float | None = None  # its /health has answered an error since then
         self.next_check = 0.0
         self.restart_at: float | None = None  # waiting out a backoff
         self.crashes = 0  # restarts since it was last up STABLE_S
         self.failed_starts = 0  # restarts in a row that never became healthy
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd)
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
         self.started_at, self.up, self.failing_since, self.restart_at = time.monotonic(), False, None, None
+        self.dead_since = None
         self.next_check = 0.0
 
-    def healthy(self) -> bool:
-        return _answers(self.url) if self.role == "router" else _healthy(self.url)
+    def health(self) -> str:
+        if self.role == "router":
+            return OK if _answers(self.url) else SILENT
+        return _health(self.url)
 
     def supervise(self, now: float) -> None:
         """One look at the child. Raises RuntimeError when the cluster must stop: a child that died or timed
@@ -206,7 +232,8 @@ class _Child:
             return
         # starting: look often (the ready line should follow the first answer closely); up: every interval
         self.next_check = now + (HEALTH_INTERVAL_S if self.up else STARTING_INTERVAL_S)
-        ok = self.healthy()
+        health = self.health()
+        ok = health == OK
         if not self.up:
             if ok:
                 self.up, self.up_since, self.failed_starts = True, now, 0
@@ -219,13 +246,17 @@ class _Child:
                 self._restart(now, f"not healthy {STARTUP_TIMEOUT_S:g} s after its start")
             return
         if ok:
-            self.failing_since = None
+            self.failing_since = self.dead_since = None
             if now - self.up_since > STABLE_S:
                 self.crashes = 0
-        else:
-            self.failing_since = self.failing_since or now
-            if now - self.failing_since > HEALTH_GRACE_S:
-                self._restart(now, f"health check failing for {now - self.failing_since:.0f} s")
+            return
+        self.failing_since = self.failing_since or now
+        self.dead_since = (self.dead_since or now) if health == DEAD else None
+        if self.dead_since is not None and now - self.dead_since > DEAD_GRACE_S:
+            self._restart(now, f"health check answering an error for {now - self.dead_since:.0f} s (its engine "
+                               f"cannot generate)")
+        elif now - self.failing_since > HEALTH_GRACE_S:
+            self._restart(now, f"health check failing for {now - self.failing_since:.0f} s")
 
     def _restart(self, now: float, why: str) -> None:
         if not self.up:
@@ -254,8 +285,9 @@ def run_cluster(args: argparse.Namespace, argv: list[str]) -> int:
     prefill, decode, router_cmd = child_commands(args, argv, transfer_backend)
     ready_dir = tempfile.mkdtemp(prefix="specpd-cluster-")
     ready_file = os.path.join(ready_dir, "ready")
-    servers = [_Child(cmd) for cmd in prefill + decode]
-    router = _Child(router_cmd + ["--cluster-ready-file", ready_file])
+    env = child_env(args.api_key)
+    servers = [_Child(cmd, env) for cmd in prefill + decode]
+    router = _Child(router_cmd + ["--cluster-ready-file", ready_file], env)
     children = servers + [router]
 
     def stop(*_):

@@ -15,6 +15,7 @@ import pytest
 from specpd.server.launch import REPO, free_port, healthy, tail
 
 HEARTBEAT_TIMEOUT_S = 3.0  # D: a P silent this long while it owes rooms is dead
+RESTART_WAIT_S = 3.0  # the routers: a request waits this long for a P or D that is down, then 503 + Retry-After
 LONG_HEARTBEAT_TIMEOUT_S = 25.0  # D2: longer than a P takes to restart
 ABORT_TIMEOUT_S = 600.0  # D: never the reason pages come back here (a gone P frees them at once)
 STARTUP_TIMEOUT_S = 120
@@ -62,7 +63,7 @@ class Cluster:
                     "--pd-abort-timeout", str(ABORT_TIMEOUT_S), "--pd-local-prefill-tokens", "0", *engine]
         p, d = {"a": ("p1", "d"), "b": ("p2", "d"), "c": ("p1", "d2")}[name]
         return ["--role", "router", "--prefill", self.url[p], "--decode", self.url[d],
-                "--bootstrap-port", str(self.ports["boot" + p[1]])]
+                "--bootstrap-port", str(self.ports["boot" + p[1]]), "--pd-restart-wait", str(RESTART_WAIT_S)]
 
     def spawn(self, name: str) -> None:
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),

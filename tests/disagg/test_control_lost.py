@@ -37,7 +37,8 @@ def wait_for(pred, timeout_s: float = 30.0) -> bool:
 
 def test_a_killed_prefill_is_lost_at_once_and_a_frozen_one_is_not():
     ctx = zmq.Context()
-    worker = types.SimpleNamespace(ctx=ctx, name="decode@test", heartbeat_timeout_s=25.0)
+    worker = types.SimpleNamespace(ctx=ctx, name="decode@test", heartbeat_timeout_s=25.0,
+                                   prefill_timeout_s=300.0, transfer_timeout_s=60.0)
     control = DecodeControl(worker).start()
     procs = [subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:

@@ -9,7 +9,7 @@ and test_control_plane.py (a busy P is not a dead one):
 (c) P SIGKILLed and restarted on the same HTTP and bootstrap ports (a new control endpoint): D asks the
     bootstrap server again and the next request succeeds, also when P is back before D's heartbeat timeout
     passed since D last heard from it (D trusts a cached route only briefly); a request while P is down
-    gets 502 (P's bootstrap server unreachable is a bad gateway, not a bad request);
+    waits for it (the router's --pd-restart-wait), then gets 503 with Retry-After naming it (never a 502);
 (d) the router SIGKILLed mid-stream and restarted on the same port: the client's stream ends with an
     error, P and D free the room, and the new router serves its first request;
 (e) D's bootstrap server unreachable -> 502 from D; D's Abort to an idle P (a room P never got a request
@@ -207,21 +207,23 @@ def restart(up, name: str) -> float:
 
 def test_prefill_restarted_on_its_ports_is_found_again(up, reference):
     """P1 SIGKILLed while idle and restarted on the same HTTP and bootstrap ports (its control endpoint is a
-    new random port): a request while P1 is down gets a clear error, D (whose heartbeat timeout passes
+    new random port): a request while P1 is down waits the router's restart wait, then gets 503 with Retry-After
+    naming P1, D (whose heartbeat timeout passes
     while P1 restarts) asks P1's bootstrap server for the new route, and the first request through router A
     once P1 is healthy succeeds; P2's requests were never affected."""
     old_pid = up.pid("p1")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         others = bystanders(pool, up.url["b"], 3)
         up.kill("p1")
-        # while P1 is down: a clear error at once, not a hang (P1's refused connection or D's unreachable
-        # bootstrap server, whichever the router hears first: both a 502)
+        # while P1 is down: the router waits for it (P1's refused connection or D's unreachable bootstrap
+        # server, whichever it hears first, marks P1 down), then a 503 with Retry-After, not a hang or a 502
         asked = time.monotonic()
         resp, at = post(up.url["a"], SHORT)
         print(f"\nwhile P1 is down: {getattr(resp, 'status_code', resp)!r} after {at - asked:.3f} s")
         assert isinstance(resp, httpx.Response), repr(resp)
         assert at - asked < NOT_A_HANG_S, at - asked
-        assert resp.status_code == 502 and "prefill" in resp.json()["error"]["message"], resp.text
+        assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
+        assert f"prefill server {up.url['p1']} is down" in resp.json()["error"]["message"], resp.text
         restart(up, "p1")
         check_bystanders(others, reference)
     assert up.pid("p1") != old_pid

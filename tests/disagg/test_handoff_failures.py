@@ -71,8 +71,9 @@ def test_a_dead_prefill_fails_its_rooms_fast_and_frees_the_pages(model_dir):
 
 
 def test_waiting_for_prefill_times_out(model_dir):
-    """P alive but the room never prefilled: the client hears after prefill_timeout_s; the pages follow once
-    P confirms nothing is in flight (here: P's bootstrap-timeout TransferFailed for the unknown room)."""
+    """P alive but idle and the room never prefilled (P never got its request): no progress for prefill_timeout_s,
+    the client hears; the pages follow once P confirms nothing is in flight (here: P's bootstrap-timeout
+    TransferFailed for the registration whose request never came)."""
     from specpd.disagg.worker import BootstrapInfo
     p, d = make_workers(model_dir, prefill_timeout_s=0.5)
     p.bootstrap_timeout_s = 1.0
@@ -84,7 +85,8 @@ def test_waiting_for_prefill_times_out(model_dir):
         while (d.has_unfinished_requests() or p.has_unfinished_requests()) and time.monotonic() - start < 10:
             outs += d.step()
             p.step()
-        assert [o.finish_reason for o in outs] == ["abort"] and "did not finish within 0.5 s" in outs[0].error
+        assert [o.finish_reason for o in outs] == ["abort"], outs
+        assert "prefill of room 10 made no progress for" in outs[0].error and "--pd-prefill-timeout 0.5 s" in outs[0].error
         assert d.free_pages == 64 and p.free_pages == 64
     finally:
         p.close()

@@ -1,7 +1,7 @@
 """Real processes on 127.0.0.1: router -> prefill (P) + decode (D), a tiny random Llama with a random EAGLE draft.
 
-SPECPD_API_KEY is in every process's environment (as `specpd serve --disagg` children inherit it): the router
-requires the key, P and D take none and serve the router without it. A 30 MB body is refused by the router
+SPECPD_API_KEY is in every process's environment (as `specpd serve --disagg` hands it to its children): the
+router, P and D all require the key, and the router sends it to P and D. A 30 MB body is refused by the router
 with 413 before it is sent (the rest withheld; the times of whole uploads are printed) while a normal request
 through it completes. The router's /server_info lists P
 and D as objects carrying their own /server_info, so SGLang's bench client reads D's acceptance length.
@@ -63,7 +63,7 @@ def _pages_back(*bases):
         assert info["free_pages"] == info["total_pages"], (base, info)
 
 
-def test_router_requires_the_key_and_p_d_do_not(cluster):
+def test_router_p_and_d_require_the_key_and_the_router_sends_it(cluster):
     p_url, d_url, router = cluster
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         resp = _complete(router, PROMPTS[0], headers)
@@ -72,8 +72,11 @@ def test_router_requires_the_key_and_p_d_do_not(cluster):
     assert httpx.get(router + "/health").status_code == 200
     resp = _complete(router, PROMPTS[0])
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS, resp.text
-    for base in (p_url, d_url):  # no key needed behind the router
-        assert httpx.get(base + "/v1/models").status_code == 200
+    for base in (p_url, d_url):  # behind the router too: a request without the key is refused
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert _complete(base, PROMPTS[0], {}).status_code == 401
+        assert httpx.post(base + "/flush_cache").status_code == 401
+        assert httpx.get(base + "/v1/models", headers=AUTH).status_code == 200
     _pages_back(p_url, d_url)
 
 

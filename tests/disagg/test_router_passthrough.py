@@ -2,7 +2,8 @@
 
 A stand-in answers as the test scripts it (status, body, headers, delay), so each refusal path is exact:
 P's and D's 400 / 413 / 503 reach the client with their status, body and Retry-After; the router's own
---max-request-bytes and --api-key act before any backend is called, and the key is not sent on to P or D;
+--max-request-bytes and --api-key act before any backend is called (/flush_cache needs the key too), and the
+router sends the key on to P and D, which take it as well;
 /server_info lists each backend as an object, as SGLang's bench_serving reads it.
 """
 import contextlib
@@ -23,7 +24,8 @@ KEY = "router-key"
 
 
 class StandIn:
-    """One fake P or D: `script` says how POST /v1/completions answers; `calls` records each request."""
+    """One fake P or D: `script` says how POST /v1/completions answers (status, body, headers, delay; `times`:
+    that many requests, then 200 again); `calls` records each request."""
 
     def __init__(self, role: str, tau: float | None = None):
         self.role, self.tau = role, tau
@@ -37,7 +39,8 @@ class StandIn:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def server_info(self):
-        info = {"role": self.role, "pid": 1, "free_pages": 8, "total_pages": 8, "bootstrap_port": 9,
+        # its own port as P's bootstrap server: the router's /health asks that server's /health too
+        info = {"role": self.role, "pid": 1, "free_pages": 8, "total_pages": 8, "bootstrap_port": self.port,
                 "spec_verify_count": 10 if self.tau else 0, "spec_accept_length": self.tau,
                 "internal_states": [{"avg_spec_accept_length": self.tau}]}
         if self.tau:  # a decode server's adaptive policy (LLMEngine._policy_stats)
@@ -52,6 +55,10 @@ class StandIn:
         body = await raw.json()
         self.calls.append({"body": body, "authorization": raw.headers.get("authorization")})
         script = self.script
+        if script.get("times") is not None:  # this answer `times` times, then the happy path again
+            script["times"] -= 1
+            if script["times"] <= 0:
+                self.script = {"status": 200, "delay": 0.0}
         if script["delay"]:
             await _sleep(script["delay"])
         if script["status"] != 200:
@@ -111,14 +118,14 @@ def backends(cluster):
 BODY = {"prompt": [1, 2, 3], "max_tokens": 4}
 
 
-def test_the_happy_path_and_the_key_stays_at_the_router(backends):
+def test_the_happy_path_and_the_key_goes_on_to_p_and_d(backends):
     p, d, client = backends
     resp = client.post("/v1/completions", json=BODY)
     assert resp.status_code == 200 and resp.json()["role"] == "decode", resp.text
     deadline = time.monotonic() + 5
     while not p.calls and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert [c["authorization"] for c in p.calls + d.calls] == [None, None]  # P and D need no key
+    assert [c["authorization"] for c in p.calls + d.calls] == [f"Bearer {KEY}"] * 2  # P and D take it too
     assert p.calls[0]["body"]["bootstrap_room"] == d.calls[0]["body"]["bootstrap_room"]
 
 
@@ -174,6 +181,8 @@ def test_router_requires_the_key(backends, cluster):
         assert resp.status_code == 401, resp.text
         assert set(resp.json()["error"]) >= {"message", "type", "code"}
     assert httpx.get(router + "/v1/models").status_code == 401
+    for method in ("GET", "POST"):  # an admin route that changes state: the key too
+        assert httpx.request(method, router + "/flush_cache").status_code == 401
     assert httpx.get(router + "/health").status_code == 200
     assert not [c for c in p.calls + d.calls if c["body"]["prompt"] == mine["prompt"]], p.calls + d.calls
 

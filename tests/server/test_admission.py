@@ -144,7 +144,7 @@ def test_the_length_bound_refuses_no_prompt_that_fits(client):
     assert resp.json()["usage"]["prompt_tokens"] == 1000
 
 
-def test_api_key_required_on_v1_only(server, client):
+def test_api_key_required_on_all_but_the_read_only_routes(server, client):
     base = server["base"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         resp = httpx.post(base + "/v1/completions", json=NORMAL, headers=headers)
@@ -153,9 +153,13 @@ def test_api_key_required_on_v1_only(server, client):
         assert err["code"] == 401 and err["type"] == "authentication_error" and "API key" in err["message"]
     assert httpx.get(base + "/v1/models").status_code == 401
     assert httpx.post(base + "/v1/chat/completions", json={"messages": []}).status_code == 401
+    for method in ("GET", "POST"):  # an admin route that changes state
+        assert httpx.request(method, base + "/flush_cache").status_code == 401
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/metrics").status_code == 200
+    assert httpx.get(base + "/server_info").status_code == 200
     assert client.get("/v1/models").status_code == 200
+    assert client.post("/flush_cache").status_code == 200
     assert client.post("/v1/completions", json=NORMAL).status_code == 200
 
 

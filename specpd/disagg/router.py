@@ -22,6 +22,7 @@ A request's life in the router:
      (its connection refused or cut, its engine dead, D unable to reach P's bootstrap server) before anything
      reached the client has the request sent again, with a new room, from step 2 (at most MAX_ATTEMPTS).
      Once D's stream has begun, a failure ends it with an error event.
+A request of n > 1 parallel samples is split into n such requests and their answers merged (router_samples.py).
 The other routes (/health, /metrics, /server_info, /flush_cache, /v1/models) are in router_info.py.
 """
 from __future__ import annotations
@@ -34,14 +35,15 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from specpd.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
+from specpd.admission import DEFAULT_MAX_REQUEST_BYTES, Admission, error_body
 from specpd.disagg.affinity import AffinityPicker, prefix_key
 from specpd.disagg.backends import Backends, Exchange
 from specpd.disagg.bootstrap import DEFAULT_BOOTSTRAP_PORT
 from specpd.disagg.router_info import add_info_routes, server_error
+from specpd.disagg.router_samples import MAX_N, child_bodies, merge_bodies, merge_streams, samples
 from specpd.disagg.timeline import StageCollector, StageStats
 
 _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client with these
@@ -128,10 +130,20 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                             {"Retry-After": str(RETRY_AFTER_S)})
 
     async def generate(raw: Request, path: str):
-        """Route one request; the servers' in-flight counts drop when its answer (or stream) ends."""
-        routed: dict = {}
         try:
-            resp = await route(raw, path, routed)
+            body = await asyncio.to_thread(json.loads, await raw.body())  # bounded by the middleware
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return server_error(f"body is not JSON: {e}", 400)
+        if not isinstance(body, dict):
+            return server_error("body must be a JSON object", 400)
+        if (n := samples(body)) is not None:
+            return await fan_out(raw, path, body, n)
+        return await one(raw, path, body, {})
+
+    async def one(raw: Request, path: str, body: dict, routed: dict, gone: asyncio.Future | None = None):
+        """Route one request; the servers' in-flight counts drop when its answer (or stream) ends."""
+        try:
+            resp = await route(raw, path, body, routed, gone)
         except BaseException:
             routed.pop("release", lambda: None)()
             raise
@@ -139,18 +151,52 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             routed.pop("release", lambda: None)()
         return resp
 
-    async def route(raw: Request, path: str, routed: dict):
-        received = time.monotonic()
+    async def fan_out(raw: Request, path: str, body: dict, n: int):
+        """n > 1: one request per sample, the first alone until P has prefilled it (router_samples.py)."""
+        if n > MAX_N:
+            return JSONResponse(error_body(f"n: must be an integer in [1, {MAX_N}], got {n}", "n", 400), 400)
+        gone = None if body.get("stream") else asyncio.ensure_future(_client_gone(raw))
+        bodies, routed = child_bodies(body, n), [{"prefilled": asyncio.Event()} for _ in range(n)]
+        tasks = [asyncio.ensure_future(one(raw, path, bodies[0], routed[0], gone))]
         try:
-            body = await asyncio.to_thread(json.loads, await raw.body())  # bounded by the middleware
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return server_error(f"body is not JSON: {e}", 400)
-        if not isinstance(body, dict):
-            return server_error("body must be a JSON object", 400)
+            prefilled = asyncio.ensure_future(routed[0]["prefilled"].wait())  # set once P answers, however
+            await asyncio.wait({tasks[0], prefilled}, return_when=asyncio.FIRST_COMPLETED)
+            if tasks[0].done() and not tasks[0].exception() and isinstance(tasks[0].result(), StreamingResponse):
+                await prefilled  # D's stream began before P handed the KV off: wait for P's answer
+            _drop(prefilled)
+            tasks += [asyncio.ensure_future(one(raw, path, b, r, gone)) for b, r in zip(bodies[1:], routed[1:])]
+            responses = await asyncio.gather(*tasks)
+        except BaseException:
+            _close_samples(tasks, routed)
+            raise
+        finally:
+            _drop(gone)
+        failed = next((r for r in responses if r.status_code != 200), None)
+        if failed is not None:  # the others end: their rooms on P and D with them
+            _close_samples(tasks, routed)
+            return failed
+        if body.get("stream"):
+            return StreamingResponse(merge_streams([r.body_iterator for r in responses]),
+                                     media_type="text/event-stream")
+        return Response(json.dumps(merge_bodies([json.loads(r.body) for r in responses])), status_code=200,
+                        media_type="application/json")
+
+    def _close_samples(tasks: list[asyncio.Future], routed: list[dict]) -> None:
+        """End a split request's samples that will not be relayed: a task still running is cancelled; a stream
+        that began is closed without being read (its `close`, set by `send`)."""
+        for task, r in zip(tasks, routed):
+            if not task.done():
+                _drop(task)
+            r.pop("close", lambda: None)()
+
+    async def route(raw: Request, path: str, body: dict, routed: dict, gone: asyncio.Future | None = None):
+        received = time.monotonic()
         key = prefix_key(body)  # the same leading text -> the same P and D (their prefix caches hit)
         deadline = received + restart_wait_s
-        # the client hanging up (a non-streamed request has no stream whose cancellation would tell us)
-        gone = None if body.get("stream") else asyncio.ensure_future(_client_gone(raw))
+        # the client hanging up (a non-streamed request has no stream whose cancellation would tell us); a
+        # request split into samples shares the one watch its caller owns
+        owned = gone is None and not body.get("stream")
+        gone = asyncio.ensure_future(_client_gone(raw)) if owned else gone
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 routed.pop("release", lambda: None)()
@@ -173,7 +219,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
             return unavailable([b for b in backends.all.values() if not b.up] or [backends.all[prefill_url]],
                                MAX_ATTEMPTS)
         finally:
-            _drop(gone)
+            if owned:
+                _drop(gone)
 
     async def send(raw: Request, path: str, body: dict, prefill_url: str, decode_url: str, received: float,
                    gone: asyncio.Future | None, routed: dict):
@@ -188,6 +235,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
         def prefill_answered(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None and f.result().status_code == 200:
                 stages.observe({"router_prefill_done": time.monotonic() - received})
+            if "prefilled" in routed:  # the first of a request's samples: P's cache has its prompt, or P failed
+                routed["prefilled"].set()
 
         prefill.add_done_callback(prefill_answered)
 
@@ -242,6 +291,8 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                     _drop(reader)
                 return Response(content, status_code=200, media_type=decode_resp.headers.get("content-type"))
             streaming = True
+            # a stream that is never read (a split request's sample, dropped: fan_out) still ends its exchanges
+            routed["close"] = lambda: (_drop(watcher), p_ex.drop(), d_ex.drop(), routed.pop("release", lambda: None)())
             return StreamingResponse(relay(decode_resp, watcher, p_ex, d_ex, received, routed),
                                      media_type="text/event-stream")
         finally:

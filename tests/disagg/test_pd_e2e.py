@@ -307,3 +307,46 @@ def test_smollm2_with_the_shipped_head_through_pd_matches_unified():
             for base in (p, d):
                 info = wait_free_pages(base)
                 assert info["free_pages"] == info["total_pages"], (base, info)
+
+
+def test_router_splits_parallel_samples(model_dir):
+    """n > 1 through the router: one P/D request per sample (the first alone until P has prefilled it, so the
+    others hit P's prefix cache), merged into one answer: sample i is what the unified engine gives seed + i,
+    under choice index i, streamed and not; usage counts the prompt once; pages come back on P and D."""
+    n, prompt = 3, PROMPTS[1]
+    engine = LLMEngine(EngineConfig(model=model_dir, cache=CacheConfig(page_size=4, num_pages=128)))
+    want = [engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                     **{**SEEDED, "seed": SEEDED["seed"] + i}))[0].token_ids
+            for i in range(n)]
+    boot = free_port()
+    specs = [["--role", "prefill", "--transfer-backend", "tcp", "--bootstrap-port", str(boot), *engine_args(model_dir)],
+             ["--role", "decode", "--transfer-backend", "tcp", *engine_args(model_dir)]]
+    with servers(specs) as (p_url, d_url):
+        with servers([["--role", "router", "--prefill", p_url, "--decode", d_url, "--bootstrap-port", str(boot)]]) \
+                as (router,), httpx.Client(base_url=router, timeout=120) as client:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": n, "logprobs": 0, **SEEDED}
+            resp = client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            assert [c["index"] for c in out["choices"]] == list(range(n))
+            assert [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in out["choices"]] == want
+            assert out["usage"]["prompt_tokens"] == len(prompt) and out["usage"]["completion_tokens"] == n * MAX_TOKENS
+            assert httpx.get(p_url + "/server_info").json()["prefix_cache_hit_tokens"] > 0
+            tokens, usage = [[] for _ in range(n)], None
+            with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                                "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+            for chunk in map(json.loads, lines[:-1]):
+                if not chunk["choices"]:
+                    usage = chunk["usage"]
+                    continue
+                choice = chunk["choices"][0]
+                tokens[choice["index"]] += [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+            assert tokens == want and usage["completion_tokens"] == n * MAX_TOKENS
+            too_many = client.post("/v1/completions", json={**body, "n": 129})
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        for url in (p_url, d_url):
+            info = wait_free_pages(url)
+            assert info["free_pages"] == info["total_pages"], url

@@ -182,7 +182,7 @@ class PrefillWorker(PrefillSender, DisaggWorker):
             elif out.finish_reason == "handoff":
                 self._hand_off(room)
             else:  # aborted in the engine
-                self._fail(room, f"prefill ended with {out.finish_reason}", notify_decode=True)
+                self._fail(room, out.error or f"prefill ended with {out.finish_reason}", notify_decode=True)
         return passed
 
     def _unclaimed_error(self, room_id: int, room: PrefillRoom, now: float) -> str | None:

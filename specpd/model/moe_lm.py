@@ -147,6 +147,15 @@ def make_kv(cfg: ModelConfig, page_size: int, dtype: torch.dtype, device, memory
                               extra_layers=extra_layers)
 
 
+def make_kv_like(cfg: ModelConfig, target_pool: KVPool) -> KVPool:
+    """A pool for a draft of `cfg` on `target_pool`'s page ids (its allocator, page count, page size and dtype)."""
+    if cfg.mla is not None:
+        return LatentKVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.mla.latent_dim,
+                            target_pool.dtype, target_pool.buffer.device, allocator=target_pool.allocator)
+    return KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads, cfg.head_dim,
+                  target_pool.dtype, target_pool.buffer.device, allocator=target_pool.allocator)
+
+
 def make_backend(name: str, pool: KVPool, cfg: ModelConfig):
     """The attention backend over `pool` for layers of `cfg`: MLA's latent backend, else the named one."""
     if cfg.mla is not None:

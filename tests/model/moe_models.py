@@ -62,31 +62,51 @@ def hf_classes(family: str):
     return m.Glm4MoeForCausalLM, m.Glm4MoeDecoderLayer, m.Glm4MoeRMSNorm, m.Glm4MoeRotaryEmbedding
 
 
-def save_tiny_moe(family: str, path, seed: int = 0, nextn: int = 0, own_head: bool = True, **overrides):
+def damp_mixing(module: torch.nn.Module, alpha: float) -> None:
+    """Scale every attention output and MLP / expert down projection by alpha: each token's residual stream stays
+    close to its own embedding, so the next token is mostly a function of the current one (plus the context)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.mul_(alpha)
+
+
+def save_tiny_moe(family: str, path, seed: int = 0, nextn: int = 0, own_head: bool = True,
+                  predictable: float | None = None, **overrides):
     """Build a random model, save it; with `nextn` MTP layers appended to its safetensors in the published layout
     (model.layers.{L + i}: enorm, hnorm, eh_proj, a MoE decoder block, shared_head.norm, shared_head.head where
-    own_head, and a copy of the embedding, as DeepSeek-V3's layer 61). Returns (HF model, {MTP key: tensor})."""
+    own_head, and a copy of the embedding, as DeepSeek-V3's layer 61). Returns (HF model, {MTP key: tensor}).
+
+    predictable (alpha): a target whose every layer's mixing is damped by alpha (`damp_mixing`) and MTP layers that
+    predict it: eh_proj passes the token's normed embedding through (and a little of the hidden), the block is damped
+    alike and the shared head is the target's final norm and head, so an MTP layer fed x_{p+1} predicts what the
+    target will at p + 1 up to the target's context terms: acceptance is high, not total, and depends on the KV."""
     causal_lm, _, _, _ = hf_classes(family)
     gen = torch.Generator().manual_seed(seed)
     cfg = tiny_moe_config(family, num_nextn_predict_layers=max(nextn, 1), **overrides)
     model = causal_lm(cfg).eval()
     _randomize(model, gen)
+    if predictable is not None:
+        damp_mixing(model, predictable)
     model.save_pretrained(path)
     mtp = {}
     for i in range(nextn):
-        mtp.update(nextn_layer_weights(family, cfg, model, cfg.num_hidden_layers + i, gen, own_head))
+        mtp.update(nextn_layer_weights(family, cfg, model, cfg.num_hidden_layers + i, gen, own_head, predictable))
     if mtp:
         file = os.path.join(path, "model.safetensors")
         save_file({**load_file(file), **mtp}, file, metadata={"format": "pt"})
     return model, mtp
 
 
-def nextn_layer_weights(family: str, cfg, model, index: int, gen: torch.Generator, own_head: bool) -> dict:
+def nextn_layer_weights(family: str, cfg, model, index: int, gen: torch.Generator, own_head: bool,
+                        predictable: float | None = None) -> dict:
     """Random MTP layer `index` in the published layout; its decoder block is transformers' own layer `index`
-    (a MoE layer), its per-expert tensors split as the checkpoints ship them."""
+    (a MoE layer), its per-expert tensors split as the checkpoints ship them. predictable: save_tiny_moe's."""
     _, decoder_layer, _, _ = hf_classes(family)
     block = decoder_layer(cfg, layer_idx=index).eval()
     _randomize(block, gen)
+    if predictable is not None:
+        damp_mixing(block, predictable)
     pre = f"model.layers.{index}."
     out = {}
     for name, t in block.state_dict().items():
@@ -108,6 +128,10 @@ def nextn_layer_weights(family: str, cfg, model, index: int, gen: torch.Generato
     out[pre + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
     if own_head:
         out[pre + "shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    if predictable is not None:
+        out[pre + "enorm.weight"] = torch.ones(h)
+        out[pre + "eh_proj.weight"] = torch.cat([torch.eye(h), 0.02 * torch.randn(h, h, generator=gen)], dim=1)
+        out[pre + "shared_head.norm.weight"] = model.model.norm.weight.detach().clone()
     return out
 
 

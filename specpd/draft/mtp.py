@@ -37,6 +37,7 @@ from torch import nn
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
 from specpd.model.llama import OutputRows, RMSNorm, apply_linear, head_logits
+from specpd.model.mla import split_kv_b
 from specpd.model.moe_lm import layer_slots, make_block
 from specpd.model.rope_scaling import make_rotary
 
@@ -135,6 +136,10 @@ class MTPDraft(DraftModel):
                               layer_slots(pub, mod + "block.", self.config, self.first_layer_index + i).items()})
         slots.update(self._vocab_map_slots())
         return slots
+
+    def load_published(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """An MLA block's kv_b_proj goes in as its per-head pieces (specpd/model/mla.py split_kv_b)."""
+        super().load_published(split_kv_b(weights, self.config) if self.config.mla is not None else weights, source)
 
     def ignored_key(self, key: str) -> bool:
         if key in _TARGET_TOP:

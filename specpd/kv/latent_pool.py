@@ -25,6 +25,19 @@ from specpd.kv.allocator import PageAllocator
 from specpd.kv.pool import KVPool
 
 
+def wire_layout(latent_dim: int) -> str:
+    """PeerConfig.kv_layout of a server whose pool holds latent rows of `latent_dim`: P and D must lay pages out
+    alike (specpd/disagg/messages.py refuses a pair that differs, naming both)."""
+    pad = latent_dim % 2
+    return f"mla latent page[layer][slot][row {latent_dim}{' + 1 pad' if pad else ''}], every row on every rank"
+
+
+def model_wire_layout(cfg) -> str | None:
+    """The wire layout of `cfg`'s pool when it is a latent one (an MLA model), else None."""
+    mla = getattr(cfg, "mla", None)
+    return None if mla is None else wire_layout(mla.latent_dim)
+
+
 class LatentKVPool(KVPool):
     def __init__(self, num_pages: int, num_layers: int, page_size: int, latent_dim: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", allocator: PageAllocator | None = None, extra_layers: int = 0):
@@ -38,10 +51,7 @@ class LatentKVPool(KVPool):
 
     @property
     def wire_layout(self) -> str:
-        """PeerConfig.kv_layout of a server holding this pool: P and D must lay pages out alike."""
-        pad = self.row_width - self.latent_dim
-        return (f"mla latent page[layer][slot][row {self.latent_dim}{f' + {pad} pad' if pad else ''}], "
-                f"every row on every rank")
+        return wire_layout(self.latent_dim)
 
     def _view(self, first_layer: int, num_layers: int) -> torch.Tensor:
         """[num_pages, num_layers, 2, page_size, 1, row_width / 2] over rows [layer][slot][row_width]: the K / V

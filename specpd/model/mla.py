@@ -5,8 +5,10 @@ MLAAttention (transformers' DeepseekV3Attention, absorbed; specpd/attention/mla.
     c_kv, k_pe = split(kv_a_proj_with_mqa(x), [r, dr]); c_kv = kv_a_layernorm(c_kv)
     row = [c_kv | rope(k_pe)] (+ a zero where r + dr is odd)             the one cached row a token has
     q_abs = [q_nope W_UK | rope(q_pe)]; out = o_proj(attend(q_abs, rows) W_UV^T)
-W_UK / W_UV are views of kv_b_proj's weight, which stays [H * (dn + dv), r] as the checkpoint has it (a plain
-parameter, not a linear the CPU path would repack). The latent norms keep transformers' eps 1e-6.
+W_UK / W_UV come from the checkpoint's kv_b_proj [H * (dn + dv), r] split at load (`split_kv_b`) into one linear per
+head each (w_uk.{h}: [r, dn] = W_UK[h]^T, w_uv.{h}: [dv, r]), so the CPU path packs them: a head's product is the
+project's batch-invariant GEMM, and a verify row's attention input equals the decode row's bit for bit. The latent
+norms keep transformers' eps 1e-6.
 GQAPartialRopeAttention (Glm4MoeAttention): fused q/k/v (bias), per-head q/k RMSNorm where use_qk_norm, RoPE on the
 first rope_dim dims of each head; attends through the configured backend's `forward` over a KVPool.
 """
@@ -24,12 +26,20 @@ from specpd.model.rope_scaling import rope_rotary_dims
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default; transformers builds q_a / kv_a layernorms without the config's eps
 
 
-class KVUp(nn.Module):
-    """kv_b_proj as its weight alone: [H * (dn + dv), r], per head dn key rows then dv value rows."""
-
-    def __init__(self, rows: int, kv_lora_rank: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank))
+def split_kv_b(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`weights` with every `*.self_attn.kv_b_proj.weight` [H * (dn + dv), r] replaced by its per-head pieces
+    `*.self_attn.w_uk.{h}.weight` (W_UK[h]^T, [r, dn]) and `*.self_attn.w_uv.{h}.weight` (W_UV[h], [dv, r])."""
+    keys = [k for k in weights if k.endswith("self_attn.kv_b_proj.weight")]
+    if not keys:
+        return weights
+    mla, out = cfg.mla, dict(weights)
+    for key in keys:
+        pre = key[:-len("kv_b_proj.weight")]
+        w = out.pop(key).view(cfg.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        for h in range(cfg.num_heads):
+            out[f"{pre}w_uk.{h}.weight"] = w[h, :mla.qk_nope_head_dim].T.contiguous()
+            out[f"{pre}w_uv.{h}.weight"] = w[h, mla.qk_nope_head_dim:].contiguous()
+    return out
 
 
 class MLAAttention(nn.Module):
@@ -52,7 +62,10 @@ class MLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(mla.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = KVUp(cfg.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.w_uk = nn.ModuleList(nn.Linear(mla.qk_nope_head_dim, mla.kv_lora_rank, bias=False)
+                                  for _ in range(cfg.num_heads))
+        self.w_uv = nn.ModuleList(nn.Linear(mla.kv_lora_rank, mla.v_head_dim, bias=False)
+                                  for _ in range(cfg.num_heads))
         self.o_proj = nn.Linear(cfg.num_heads * mla.v_head_dim, hidden, bias=cfg.attention_bias)
         self.pad = mla.latent_dim % 2  # rows are padded to an even width (LatentKVPool)
 
@@ -70,14 +83,13 @@ class MLAAttention(nn.Module):
         k_pe = rope_rotary_dims(latent[:, None, self.rank:], cos, sin, self.interleaved)  # [T, 1, dr]
         parts = [c_kv.unsqueeze(1), k_pe] + ([k_pe.new_zeros(t, 1, 1)] if self.pad else [])
         row = torch.cat(parts, dim=-1)  # [T, 1, row_width]
-        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)
-        q_lat = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope])  # [H, T, r]
+        q_lat = torch.stack([self.w_uk[i](q[:, i, :self.nope]) for i in range(h)], dim=1)  # [T, H, r]
         q_pe = rope_rotary_dims(q[..., self.nope:], cos, sin, self.interleaved)  # [T, H, dr]
-        parts = [q_lat.transpose(0, 1), q_pe] + ([q_pe.new_zeros(t, h, 1)] if self.pad else [])
+        parts = [q_lat, q_pe] + ([q_pe.new_zeros(t, h, 1)] if self.pad else [])
         q_abs = torch.cat(parts, dim=-1)  # [T, H, row_width]
         out_lat = backend.forward_latent(q_abs, row, self.layer_id, meta, rows)  # [T', H, r]
-        out = torch.bmm(out_lat.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [H, T', dv]
-        return apply_linear(self.o_proj, out.transpose(0, 1).reshape(-1, h * self.v_dim))
+        out = torch.cat([self.w_uv[i](out_lat[:, i]) for i in range(h)], dim=-1)  # [T', H * dv]
+        return apply_linear(self.o_proj, out)
 
 
 class GQAPartialRopeAttention(nn.Module):

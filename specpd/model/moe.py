@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpd.config import ModelConfig
@@ -32,22 +31,24 @@ class Router(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.moe = moe
-        self.weight = nn.Parameter(torch.zeros(moe.num_experts, cfg.hidden_size))  # [E, H] fp32
+        # [E, H] fp32: a linear so that the CPU path packs it (the project's fp32 GEMM: a token routes alike in any
+        # batch, which a greedy verify row needs to equal its decode row)
+        self.proj = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts))  # [E] fp32
 
     def _apply(self, fn, recurse=True):
         """A dtype cast of the model leaves the router fp32 (a device move moves it)."""
-        kept = (self.weight.data, self.e_score_correction_bias)
+        kept = (self.proj.weight.data, self.e_score_correction_bias)
         super()._apply(fn, recurse)
         if not kept[0].is_meta:
-            self.weight.data = kept[0].to(self.weight.device)
-            self.e_score_correction_bias = kept[1].to(self.weight.device)
+            self.proj.weight.data = kept[0].to(self.proj.weight.device)
+            self.e_score_correction_bias = kept[1].to(self.proj.weight.device)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, K] fp32, expert ids [T, K] int64)."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = self.proj(x.float())  # [T, E] fp32
         scores = logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.e_score_correction_bias if moe.topk_method == "noaux_tc" else scores
         if moe.topk_method != "greedy":
@@ -113,7 +114,7 @@ def moe_slots(pub: str, mod: str, cfg: ModelConfig) -> dict[str, tuple[str, tupl
     ship (mlp.experts.{e}.{gate,up,down}_proj.weight), the router, the shared experts (gate/up fused)."""
     moe = cfg.moe
     inter, shared = moe.moe_intermediate_size, moe.moe_intermediate_size * moe.n_shared_experts
-    slots = {f"{pub}mlp.gate.weight": (f"{mod}mlp.gate.weight", None),
+    slots = {f"{pub}mlp.gate.weight": (f"{mod}mlp.gate.proj.weight", None),
              f"{pub}mlp.gate.e_score_correction_bias": (f"{mod}mlp.gate.e_score_correction_bias", None)}
     for e in range(moe.num_experts):
         slots.update(mlp_slots(f"{pub}mlp.experts.{e}.", f"{mod}mlp.experts.{e}.", inter))

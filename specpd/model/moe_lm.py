@@ -3,8 +3,8 @@ model_type) and GLM-4.5 / 4.6 (GQA with q/k/v bias, q/k norm and partial RoPE + 
 
 A MoECausalLM is a CausalLM (same forward, logits, head and draft bindings) whose layers are MoEDecoderLayers:
 attention specpd/model/mla.py, the MLP a dense one below first_k_dense_replace and specpd/model/moe.py's above.
-Its KV pool is a LatentKVPool with the MLA backend (DeepSeek; whatever --attention-backend says: MLA attends
-through the latent backend only) or a KVPool with the configured backend (GLM). Checkpoint layout: transformers'
+Its KV pool is a LatentKVPool with the MLA backend (DeepSeek: over the C kernel for `cpu` where the shape fits it,
+else the torch backend; specpd/attention/mla.py) or a KVPool with the configured backend (GLM). Checkpoint layout: transformers'
 names (the published one), per-expert tensors; the MTP layers after the last decoder layer
 (model.layers.{num_hidden_layers + i}) are left to specpd/draft/checkpoint_mtp.py. FP8 block-quantized weights
 (DeepSeek's release) are dequantized at load (specpd/model/fp8.py).
@@ -25,7 +25,7 @@ from specpd.kv.latent_pool import LatentKVPool
 from specpd.kv.pool import KVPool
 from specpd.model.fp8 import dequantize_fp8
 from specpd.model.llama import MLP, CausalLM, DecoderLayer, RMSNorm
-from specpd.model.mla import GQAPartialRopeAttention, MLAAttention
+from specpd.model.mla import GQAPartialRopeAttention, MLAAttention, split_kv_b
 from specpd.model.moe import MoE, mlp_slots, moe_slots
 from specpd.model.rope_scaling import make_rotary, mla_softmax_scale
 
@@ -53,12 +53,13 @@ def make_block(cfg: ModelConfig, layer_id: int, hf_layer: int | None = None) -> 
 
 def layer_slots(pub: str, mod: str, cfg: ModelConfig, hf_layer: int) -> Slots:
     """{checkpoint key: (parameter, rows)} of MoEDecoderLayer `hf_layer`: pub its checkpoint prefix
-    ("model.layers.3."), mod its module path ("layers.3.")."""
+    ("model.layers.3."), mod its module path ("layers.3."); an MLA layer's kv_b_proj as split_kv_b's pieces."""
     a, m = f"{pub}self_attn.", f"{mod}self_attn."
     slots: Slots = {f"{pub}input_layernorm.weight": (f"{mod}input_layernorm.weight", None),
                     f"{pub}post_attention_layernorm.weight": (f"{mod}post_attention_layernorm.weight", None)}
     if cfg.mla is not None:
-        names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+        names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "o_proj.weight"]
+        names += [f"w_{part}.{h}.weight" for part in ("uk", "uv") for h in range(cfg.num_heads)]  # split_kv_b's
         names += (["q_proj.weight"] if cfg.mla.q_lora_rank is None
                   else ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"])
         if cfg.attention_bias:
@@ -131,7 +132,7 @@ class MoECausalLM(CausalLM):
             slots["lm_head.weight"] = ("lm_head.weight", None)
         for i in range(cfg.num_layers):
             slots.update(layer_slots(f"model.layers.{i}.", f"layers.{i}.", cfg, i))
-        weights = dequantize_fp8(weights)
+        weights = split_kv_b(dequantize_fp8(weights), cfg)
         unexpected = [k for k in weights if k not in slots and "rotary_emb" not in k
                       and not ((m := _LAYER.fullmatch(k)) and int(m.group(1)) >= cfg.num_layers)]
         if unexpected:
@@ -159,7 +160,7 @@ def make_kv_like(cfg: ModelConfig, target_pool: KVPool) -> KVPool:
 def make_backend(name: str, pool: KVPool, cfg: ModelConfig):
     """The attention backend over `pool` for layers of `cfg`: MLA's latent backend, else the named one."""
     if cfg.mla is not None:
-        return MLAAttentionBackend(pool, cfg.num_heads, cfg.mla.kv_lora_rank, mla_softmax_scale(cfg))
+        return MLAAttentionBackend(pool, cfg.num_heads, cfg.mla.kv_lora_rank, mla_softmax_scale(cfg), name)
     return get_backend_class(name)(pool, cfg.num_heads, cfg.head_dim)
 
 

@@ -1,9 +1,11 @@
 """Absorbed MLA over the paged latent rows (specpd/attention/mla.py) against the expanded attention it replaces
 (transformers' formula: per-head keys [W_UK c_kv | k_pe] and values W_UV c_kv) and against its torch reference:
 a ragged step over scattered pages crossing page boundaries, with a prompt chunk after its prefix, decode rows and
-a tree of verify rows; every KV row written is the latent row, once, where the metadata says."""
+a tree of verify rows; every KV row written is the latent row, once, where the metadata says; on the C kernel
+(`cpu`) a verify row equals the decode row at its position bit for bit."""
 import random
 
+import pytest
 import torch
 
 from specpd.attention.metadata import AttentionMetadata
@@ -23,12 +25,14 @@ def expanded_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, visible):
     return torch.einsum("hqs,shv->qhv", probs, values)
 
 
-def test_absorbed_equals_expanded_and_reference_on_a_ragged_tree_step():
+@pytest.mark.parametrize("kernel", ["torch", "cpu"])
+def test_absorbed_equals_expanded_and_reference_on_a_ragged_tree_step(kernel):
     gen = torch.Generator().manual_seed(0)
     page_size, num_pages = 4, 24
     pool = LatentKVPool(num_pages, 2, page_size, R + DR, torch.float32)
     assert pool.row_width == 14 and pool.latent_dim == 13
-    backend = MLAAttentionBackend(pool, H, R, SCALE)
+    backend = MLAAttentionBackend(pool, H, R, SCALE, kernel)
+    assert type(backend.inner).__name__ == ("CpuAttentionBackend" if kernel == "cpu" else "TorchAttentionBackend")
     w_uk, w_uv = torch.randn(H, DN, R, generator=gen), torch.randn(H, DV, R, generator=gen)
     pages = list(range(num_pages))
     random.Random(1).shuffle(pages)
@@ -67,3 +71,10 @@ def test_absorbed_equals_expanded_and_reference_on_a_ragged_tree_step():
                                   visible)
         assert (got[start:start + q] - want).abs().max().item() < 1e-4, f"sequence {b}"
         start += q
+
+    if kernel == "cpu":  # tree node 1 (rows 7 + 1 of the step) == the decode row at its position over its path
+        path = torch.cat([new_rows[7:9]])  # nodes 0 and 1: positions 9 and 10 of sequence 2
+        decode = AttentionMetadata.build([1], [11], [page_lists[2]], page_size)
+        backend.plan(decode)
+        alone = backend.forward_latent(q_abs[8:9].clone(), path[1:2], layer, decode)
+        assert torch.equal(alone[0], out_lat[8])

@@ -43,14 +43,12 @@ def moe_mtp(request, tmp_path_factory):
 def predictable_mtp(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param + "-predictable")
     save_tiny_moe(request.param, path, seed=1, nextn=1, predictable=PREDICTABLE)
-    plain = LLMEngine(EngineConfig(model=str(path), attention_backend="torch",
-                                   cache=CacheConfig(page_size=4, num_pages=160)))
+    plain = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(page_size=4, num_pages=160)))
     return request.param, str(path), [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
 
 
 def spec_engine(path, page_size=4, num_pages=160, chunk=512, **spec):
-    return LLMEngine(EngineConfig(model=path, attention_backend="torch",
-                                  cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+    return LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                   scheduler=SchedulerConfig(chunked_prefill_size=chunk),
                                   spec=SpecConfig(speculative_algorithm="mtp", spec_ngram=False, **spec)))
 
@@ -105,8 +103,7 @@ def test_greedy_speculation_equals_plain_decoding(predictable_mtp, shape):
 def test_replay_tree_paths_compact_the_rows(predictable_mtp):
     """The right token at sibling rank 1: every accepted path leaves the root's line, so its rows move."""
     family, path, expected = predictable_mtp
-    engine = LLMEngine(EngineConfig(model=path, attention_backend="torch", cache=CacheConfig(page_size=4,
-                                                                                             num_pages=160),
+    engine = LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=4, num_pages=160),
                                     spec=SpecConfig("replay", spec_num_steps=3, spec_topk=3, spec_adaptive=False,
                                                     spec_num_draft_tokens=10)))
     proposer = engine.spec_runner.proposer
@@ -130,8 +127,7 @@ def test_two_mtp_layers_chain_through_their_modules(tmp_path, family):
     engine = spec_engine(str(tmp_path), **SHAPES["tree"], spec_adaptive=False)
     draft = engine.spec_runner.proposer.draft
     assert len(draft.mtp) == 2 and engine.runner.kv_pool.extra_layers == 2
-    plain = LLMEngine(EngineConfig(model=str(tmp_path), attention_backend="torch",
-                                   cache=CacheConfig(page_size=4, num_pages=160)))
+    plain = LLMEngine(EngineConfig(model=str(tmp_path), cache=CacheConfig(page_size=4, num_pages=160)))
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert engine.spec_stats.accepted_tokens > engine.spec_stats.verify_count / 2

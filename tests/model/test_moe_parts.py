@@ -32,7 +32,7 @@ def test_router_and_experts_equal_transformers(family):
         hf_router.weight.normal_(0, 0.3, generator=gen)
         hf_router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
     ours = Router(cfg)
-    ours.load_state_dict(hf_router.state_dict())
+    ours.load_state_dict({"proj.weight": hf_router.weight, "e_score_correction_bias": hf_router.e_score_correction_bias})
     x = torch.randn(40, cfg.hidden_size, generator=gen)
     _, want_w, want_ids = hf_router(x)
     got_w, got_ids = ours(x)
@@ -60,12 +60,13 @@ def test_router_methods_match_deepseek_v2_formula(method, scoring):
     router = Router(cfg)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        router.weight.normal_(0, 0.3, generator=gen)
+        router.proj.weight.normal_(0, 0.3, generator=gen)
         router.e_score_correction_bias.normal_(0, 0.1, generator=gen)
     x = torch.randn(32, cfg.hidden_size, generator=gen)
     weights, ids = router(x)
     moe = cfg.moe
-    scores = (x @ router.weight.T).softmax(-1) if scoring == "softmax" else (x @ router.weight.T).sigmoid()
+    logits = x @ router.proj.weight.T
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores + router.e_score_correction_bias if method == "noaux_tc" else scores.clone()
     if method != "greedy":
         grouped = choice.view(32, moe.n_group, -1)

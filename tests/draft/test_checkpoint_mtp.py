@@ -141,3 +141,14 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tmp_path):
     save_tiny_moe("deepseek", tmp_path / "dropped")  # config.json says 1 layer, transformers wrote no weights
     with pytest.raises(ValueError, match=r"hold no model\.layers\.3\.\*"):
         spec_engine(str(tmp_path / "dropped"))
+
+
+def test_the_served_defaults_calibrate_and_stay_lossless(predictable_mtp):
+    """The adaptive policy as served (its cost model measured at start on an MLA / MoE target) and the hybrid
+    n-gram tree (mtp's default shape): lossless, every page back."""
+    family, path, expected = predictable_mtp
+    engine = LLMEngine(EngineConfig(model=path, cache=CacheConfig(page_size=4, num_pages=160),
+                                    spec=SpecConfig(speculative_algorithm="mtp")))
+    assert engine.spec_runner.policy is not None and engine.config.spec.hybrid
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
+    assert engine.free_pages == engine.total_pages

@@ -93,7 +93,7 @@ def main() -> None:
     prompts = [[rng.randrange(100, model["config"]["vocab_size"]) for _ in range(args.prompt_len)]
                for _ in range(args.num_prompts + args.warmup)]
     warm, measured = prompts[:args.warmup], prompts[args.warmup:]
-    results = {}
+    results, load = {}, {"before": os.getloadavg()}  # the box is shared: its load beside the timings
     for name in args.configs.split(","):
         kind, engine_args = configs(args.model_dir, args)[name]
         log(f"== {name}: {' '.join(engine_args)}")
@@ -101,6 +101,7 @@ def main() -> None:
         r = results[name]
         log(f"   TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms, "
             f"tau {r.get('tau')}, errors {r['num_errors']}")
+    load["after"] = os.getloadavg()
     plain = results.get("unified_plain", {}).get("tokens")
     for name, r in results.items():
         tokens = r.pop("tokens")[args.warmup:]
@@ -116,7 +117,7 @@ def main() -> None:
     from specpd import machine
     write_json(out, {"benchmark": "bench_mtp_pd", "description": __doc__.split("\n\n")[0],
                      "command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
-                     "machine": {**machine_info(), "cpu_isa": machine.isa()}, **meta,
+                     "machine": {**machine_info(), "cpu_isa": machine.isa(), "load_average_1_5_15": load}, **meta,
                      "model": {k: model[k] for k in ("parameters", "mtp_parameters", "damp", "config")},
                      "workload": {"prompts": args.num_prompts, "prompt_len": args.prompt_len,
                                   "max_tokens": args.max_tokens, "concurrency": 1, "greedy": True},

@@ -152,3 +152,16 @@ def test_the_served_defaults_calibrate_and_stay_lossless(predictable_mtp):
     assert engine.spec_runner.policy is not None and engine.config.spec.hybrid
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == expected
     assert engine.free_pages == engine.total_pages
+
+
+def test_an_mtp_directory_given_as_draft_model_drafts_alike(predictable_mtp):
+    """--draft-model DIR with the NextN layout (here the checkpoint itself, as an extracted NextN checkpoint carries the
+    same keys): the same draft, so the same proposals and acceptance as the checkpoint's own layer."""
+    family, path, expected = predictable_mtp
+    own = spec_engine(path, **SHAPES["tree"], spec_adaptive=False)
+    given = spec_engine(path, **SHAPES["tree"], spec_adaptive=False, draft_model=path)
+    outs = [e.generate(PROMPTS, GREEDY) for e in (own, given)]
+    assert [o.token_ids for o in outs[1]] == expected
+    assert [(o.spec_verify_count, o.spec_accepted_tokens) for o in outs[1]] == \
+        [(o.spec_verify_count, o.spec_accepted_tokens) for o in outs[0]]
+    assert given.runner.kv_pool.extra_layers == 1 and given.free_pages == given.total_pages

@@ -19,9 +19,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from evals.report_tables import (acceptance, attention, gemm_kernel, gpu, hf_generate, offline, overlap, pd, pd_load,
-                                 pd_ttft, peers, peers_spec, prefix, profile_depth0, profile_spec_round, profile_step,
-                                 soak, spec_workloads, structured, tp, tp_matrix)
+from evals.report_tables import (acceptance, attention, bench_mtp_pd, gemm_kernel, gpu, hf_generate, offline, overlap,
+                                 pd, pd_load, pd_ttft, peers, peers_spec, prefix, profile_depth0, profile_spec_round,
+                                 profile_step, soak, spec_workloads, structured, tp, tp_matrix)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "evals", "results")
@@ -111,6 +111,8 @@ RESULTS = [
     Result("pd_ttft.json", "bench_pd_ttft.py", "PD time to first token against unified at equal prefill compute, "
            "with the breakdown", pd_ttft),
     Result("pd_ttft_decode_only.json", "bench_pd_ttft.py", "the same, draft-on-decode-only", pd_ttft),
+    Result("bench_mtp_pd.json", "bench_mtp_pd.py", "a DeepSeek-V3-shaped MoE (MLA) with its own MTP layer: 1P1D "
+           "in both draft modes against the unified server, τ, TTFT, TPOT", bench_mtp_pd),
     Result("pd_spec_repeat.json", "pd_spec_repeat.py", "does D speculate as often as unified, over restarts"),
     Result("pd_load.json", "pd_load.py", "a 1P1D cluster under a burst with long prompts and a busy neighbour: "
            "failures, pages back, heartbeats", pd_load),

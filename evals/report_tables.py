@@ -118,6 +118,17 @@ def pd(d: dict) -> str:
     return table + ("\n\n" + "\n".join(ratios) if ratios else "")
 
 
+def bench_mtp_pd(d: dict) -> str:
+    rows = [[name, _f(r.get("tau")), _f((r.get("ttft_p50_s") or 0) * 1e3, 0), _f((r.get("tpot_p50_s") or 0) * 1e3, 1),
+             _f((r.get("tpot_p99_s") or 0) * 1e3, 1), "yes" if r.get("same_tokens_as_unified_plain") else "NO",
+             r.get("num_errors", "–")] for name, r in d["configs"].items()]
+    m = d["model"]
+    return (f"{m['parameters'] / 1e6:.0f}M parameters + a {m['mtp_parameters'] / 1e6:.0f}M MTP layer, "
+            f"{d['workload']['prompts']} prompts of {d['workload']['prompt_len']} tokens, "
+            f"{d['workload']['max_tokens']} new tokens, c1.\n\n"
+            + _table(["config", "τ", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms", "tokens = plain", "errors"], rows))
+
+
 def pd_ttft(d: dict) -> str:
     rows = []
     for phase, s in d["summary"].items():

@@ -6,10 +6,59 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a Llama-family / Qwen2 / Qwen3 decoder, read from an HF config.json dict."""
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): a token's K and V are one latent row, `latent_dim` wide
+    (the normed c_kv of kv_lora_rank, then the RoPE'd shared key k_pe), expanded per head by kv_b_proj."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q_proj straight from the hidden (V2-Lite); else q_a_proj -> norm -> q_b_proj
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the RoPE dims come in (x0, x1), (x2, x3) pairs (HF apply_rotary_pos_emb_interleave)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed + shared experts (DeepSeek-V3, GLM-4.5): layer i is MoE when i >= first_k_dense_replace and
+    i % moe_layer_freq == 0, a dense MLP of intermediate_size before."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: str = "sigmoid"  # sigmoid | softmax
+    # noaux_tc: e_score_correction_bias steers the choice (groups scored by their top-2 sum), never the weights;
+    # group_limited_greedy: groups scored by their best expert; greedy: no groups
+    topk_method: str = "noaux_tc"
+    moe_layer_freq: int = 1
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+
+MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # ModelConfig.architecture of the MoE families (specpd/model/moe_lm.py)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family / Qwen2 / Qwen3 decoder, or of a DeepSeek-V3 / GLM-4.5 MoE (`mla`, `moe`),
+    read from an HF config.json dict."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "deepseek_v3" | "glm4_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -26,6 +75,19 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the MoE families (None / 1.0 / 0 for the dense ones). MLA: num_kv_heads is 1 (the latent row every head reads)
+    # and head_dim the q/k head dim (nope + rope)
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first half of each head's dims
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint ships after its decoder layers
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head RoPE rotates."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -42,6 +104,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
+        if model_type in MOE_MODEL_TYPES:
+            return _moe_family(cls, cfg, model_type)
         arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2, qwen3)")
@@ -71,6 +135,50 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _moe_family(cls, cfg: dict[str, Any], model_type: str) -> ModelConfig:
+    """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial RoPE, q/k norm) MoE configs, HF's names and defaults."""
+    num_heads = cfg["num_attention_heads"]
+    mla = None
+    if model_type == "deepseek_v3":
+        mla = MLAConfig(kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank"),
+                        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                        v_head_dim=cfg["v_head_dim"], rope_interleave=bool(cfg.get("rope_interleave", True)))
+    moe = MoEConfig(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"], n_shared_experts=cfg.get("n_shared_experts") or 0,
+                    n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+                    first_k_dense_replace=cfg.get("first_k_dense_replace", 0),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                    scoring_func=cfg.get("scoring_func", "sigmoid"), topk_method=cfg.get("topk_method", "noaux_tc"),
+                    moe_layer_freq=cfg.get("moe_layer_freq", 1))
+    if moe.scoring_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"unsupported MoE scoring_func {moe.scoring_func!r} (supported: sigmoid, softmax)")
+    if moe.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported MoE topk_method {moe.topk_method!r} "
+                         f"(supported: noaux_tc, greedy, group_limited_greedy)")
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    eos = cfg.get("eos_token_id")
+    return cls(
+        architecture=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
+        num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+        head_dim=mla.qk_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rope_scaling=tuple(sorted(_hashable(scaling).items())) if scaling else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+        mla=mla, moe=moe,
+        partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0))
 
 
 def _hashable(d: dict[str, Any]) -> dict[str, Any]:

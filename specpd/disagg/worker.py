@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import zmq
 
 from specpd.core import InvalidRequest, RequestOutput
-from specpd.disagg.messages import MessageError, PeerConfig, decode, encode
+from specpd.disagg.messages import KV_LAYOUT, MessageError, PeerConfig, decode, encode
 from specpd.disagg.timeline import StageStats
 from specpd.disagg.kv_sender import KVTransfers
 
@@ -196,13 +196,16 @@ def draft_mode(config) -> str:
 
 def peer_config(engine, transfer_backend: str) -> PeerConfig:
     from specpd.grammar import backend_id
+    from specpd.kv.latent_pool import model_wire_layout
     cfg = engine.config
     mode, spec = draft_mode(cfg), cfg.spec
     return PeerConfig(model=cfg.model, draft_model=spec.draft_model, page_size=cfg.cache.page_size,
                       dtype=cfg.dtype, spec_algorithm=spec.speculative_algorithm, draft_mode=mode,
                       transfer_backend=transfer_backend, grammar_backend=backend_id(),
                       draft_shape=f"{spec.num_steps},{spec.topk},{spec.num_draft_tokens}" if mode == "both" else "",
-                      tp_size=cfg.tp_size, kv_heads=engine.model_config.num_kv_heads)
+                      tp_size=cfg.tp_size, kv_heads=engine.model_config.num_kv_heads,
+                      # an MLA model's pages hold latent rows (specpd/kv/latent_pool.py)
+                      kv_layout=model_wire_layout(engine.model_config) or KV_LAYOUT)
 
 
 class DisaggWorker:

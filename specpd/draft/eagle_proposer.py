@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from specpd.attention.base import get_backend_class
 from specpd.attention.metadata import AttentionMetadata
 from specpd.core import Request
 from specpd.draft.base import DraftModel
@@ -30,6 +29,7 @@ from specpd.kernels.cpu_linear import pack_linears, weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.cuda_graphs import GraphSettings
 from specpd.model.llama import OutputRows
+from specpd.model.moe_lm import make_backend, make_kv_like
 from specpd.verify.tree import DraftTree, TreeBuilder, draft_logp, root_only
 
 
@@ -43,9 +43,8 @@ class EagleProposer(Proposer):
         self.draft = draft
         cfg = draft.config
         self.device = target_pool.buffer.device
-        self.pool = pool or KVPool(target_pool.num_pages, cfg.num_layers, target_pool.page_size, cfg.num_kv_heads,
-                                   cfg.head_dim, target_pool.dtype, self.device, allocator=target_pool.allocator)
-        self.backend = get_backend_class(attention_backend)(self.pool, cfg.num_heads, cfg.head_dim)
+        self.pool = pool or make_kv_like(cfg, target_pool)
+        self.backend = make_backend(attention_backend, self.pool, cfg)  # MLA drafts: the latent backend
         if self.device.type == "cpu":
             pack_linears(draft)  # serving only: prepacked for oneDNN, as the target's (no autograd after this)
             draft.cpu_stack = Eagle3Stack.build(draft)  # EAGLE-3's forward in one C call where it applies

@@ -94,6 +94,8 @@ def draft_kv_geometry(path: str, algorithm: str, target_config: ModelConfig) -> 
 def shared_page_layers(spec, target_config: ModelConfig) -> int:
     """Draft layers to keep in the target's KV pages (0: the draft gets its own pool): all of them when
     their KV heads and head dim equal the target's, so one descriptor per page moves both (DESIGN.md §3)."""
+    if spec.enabled and spec.speculative_algorithm == "mtp" and not spec.draft_model:
+        return target_config.num_nextn_predict_layers  # the checkpoint's own MTP layers: the target's geometry
     if not spec.enabled or spec.speculative_algorithm == "replay" or not spec.draft_model:
         return 0
     layers, kv_heads, head_dim = draft_kv_geometry(spec.draft_model, spec.speculative_algorithm, target_config)

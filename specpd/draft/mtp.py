@@ -2,7 +2,7 @@
 
 Per module i (DeepSeek-V3 report §2.2; vLLM deepseek_mtp.py; SGLang deepseek_nextn.py):
     x = eh_proj(cat(enorm(embed(token)), hnorm(hidden)))   [2H -> H], no bias
-    h = block(x)                                           a Llama/Qwen2/Qwen3 DecoderLayer
+    h = block(x)                                           a decoder layer of the target's family
     logits = head(shared_head.norm(h))
 The first step's `hidden` is the target's normed final hidden (what both engines pass). The output
 `h` is returned pre-norm and fed back as the next step's hidden, as in vLLM and the report (h^k is
@@ -21,6 +21,10 @@ The first MTP index is found from the keys (SGLang's extracted NextN checkpoints
 model.layers.0), and the target's own weights in the same file (model.embed_tokens, model.norm,
 lm_head, model.layers.{< first}) are skipped, so the target's checkpoint directory loads as is.
 Reduced vocab (specpd extension): shared_head.head rows [draft_vocab, H] + top-level d2t, t2d.
+For a DeepSeek-V3 / GLM-4.5 target the block is that family's layer (MLA or GQA attention, and a MoE: the
+checkpoint's layer {num_hidden_layers + i} is past first_k_dense_replace), its KV the target's kind (latent rows
+for MLA); `--speculative-algorithm mtp` with no --draft-model reads these layers from the target's own checkpoint
+(specpd/draft/checkpoint_mtp.py).
 """
 from __future__ import annotations
 
@@ -32,7 +36,10 @@ from torch import nn
 
 from specpd.config import ModelConfig
 from specpd.draft.base import DraftModel, Slot, decoder_layer_slots, draft_layer_config, hf_config_fields
-from specpd.model.llama import DecoderLayer, OutputRows, RMSNorm, Rotary, apply_linear, head_logits
+from specpd.model.llama import OutputRows, RMSNorm, apply_linear, head_logits
+from specpd.model.mla import split_kv_b
+from specpd.model.moe_lm import layer_slots, make_block
+from specpd.model.rope_scaling import make_rotary
 
 _EH_PROJ = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -47,13 +54,15 @@ class SharedHead(nn.Module):
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, head_rows: int | None):
+    def __init__(self, cfg: ModelConfig, index: int, head_rows: int | None, hf_layer: int):
         super().__init__()
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(cfg, layer_id=index)  # KV layer `index` of the draft pool
+        # KV layer `index` of the draft pool; a block of the target's family (DeepSeek-V3 / GLM-4.5: MLA or GQA
+        # attention and a MoE, as checkpoint layer `hf_layer` is)
+        self.block = make_block(cfg, index, hf_layer)
         self.shared_head = SharedHead(cfg, head_rows)
 
 
@@ -73,8 +82,9 @@ class MTPDraft(DraftModel):
         own_heads = own_heads or (reduced,) * n
         self.first_layer_index = first_layer_index
         self.mtp = nn.ModuleList(
-            MTPModule(config, i, self.draft_vocab_size if own_heads[i] or reduced else None) for i in range(n))
-        self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+            MTPModule(config, i, self.draft_vocab_size if own_heads[i] or reduced else None, first_layer_index + i)
+            for i in range(n))
+        self.rotary = make_rotary(config, max_positions or config.max_position_embeddings)
 
     @classmethod
     def from_published(cls, draft_json: dict[str, Any], keys: set[str] | None, target_config: ModelConfig,
@@ -119,9 +129,17 @@ class MTPDraft(DraftModel):
                 slots[pub + name] = Slot(mod + name)
             if module.shared_head.head is not None:
                 slots[pub + "shared_head.head.weight"] = Slot(mod + "shared_head.head.weight")
-            slots.update(decoder_layer_slots(pub, mod + "block.", self.config))
+            if self.config.moe is None:
+                slots.update(decoder_layer_slots(pub, mod + "block.", self.config))
+            else:
+                slots.update({k: Slot(name, rows) for k, (name, rows) in
+                              layer_slots(pub, mod + "block.", self.config, self.first_layer_index + i).items()})
         slots.update(self._vocab_map_slots())
         return slots
+
+    def load_published(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """An MLA block's kv_b_proj goes in as its per-head pieces (specpd/model/mla.py split_kv_b)."""
+        super().load_published(split_kv_b(weights, self.config) if self.config.mla is not None else weights, source)
 
     def ignored_key(self, key: str) -> bool:
         if key in _TARGET_TOP:

@@ -130,7 +130,9 @@ def with_matmul_steps(model, table: dict[int, float], passes: int,
     decoder layer's, timed, times the layer count) lie from their own interpolation over the same grid."""
     from specpd.engine.spec_cost import PiecewiseLinear
     layer = model.layers[0]
-    linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    # a layer without these (an MLA or MoE layer, specpd/model/moe_lm.py) keeps the table as measured
+    linears = [getattr(layer.self_attn, "qkv_proj", None), getattr(layer.self_attn, "o_proj", None),
+               getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)]
     dtype = layer.input_layernorm.weight.dtype
     if layer.input_layernorm.weight.device.type != "cpu" or not all(hasattr(m, "in_features") for m in linears):
         return table

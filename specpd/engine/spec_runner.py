@@ -308,15 +308,19 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         proposer = _ngram(spec, steps, topk, num_tokens)
     else:
         from specpd.draft.loader import load_draft_model
-        if not spec.draft_model:
+        if spec.draft_model:
+            draft = load_draft_model(spec.draft_model, spec.speculative_algorithm, runner.model, cfg, runner.dtype)
+        elif spec.speculative_algorithm == "mtp":  # the target checkpoint's own MTP layers
+            from specpd.draft.checkpoint_mtp import load_checkpoint_mtp
+            draft = load_checkpoint_mtp(runner.config.model, runner.model, cfg, runner.dtype)
+        else:
             raise ValueError(f"--speculative-algorithm {spec.speculative_algorithm} needs --draft-model")
-        draft = load_draft_model(spec.draft_model, spec.speculative_algorithm, runner.model, cfg, runner.dtype)
         # the draft's layers inside the target's pages (the runner reserved them), else its own pool (under
         # tensor parallelism the draft runs whole on rank 0, every head, in a pool of its own)
         pool = runner.kv_pool
         shared = None
         if runner.tp is None and pool.extra_layers == draft.config.num_layers:
-            shared = KVPool.layers_of(pool)
+            shared = type(pool).layers_of(pool)  # a KVPool, or the latent rows of an MLA target
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared,
                                  graphs=runner.graph_settings)
         if spec.hybrid:

@@ -12,6 +12,7 @@ from specpd.config import EngineConfig, ModelConfig
 from specpd.kernels.cpu_linear import weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import CausalLM, Rotary
+from specpd.model.moe_lm import build_moe_decoder
 from specpd.model.quant import quantize_model
 
 
@@ -21,6 +22,8 @@ def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict
     """(decoder, its KV pool, its attention backend) from HF-named weights: the whole model, or one
     tensor-parallel rank's shard (`model_config` and `weights` of its heads, specpd/model/tp.py; `row_scales`:
     int8's whole-row scales of its row-parallel layers, tp.row_parallel_scales)."""
+    if model_config.moe is not None:  # DeepSeek-V3 / GLM-4.5: their own layers and pool (specpd/model/moe_lm.py)
+        return build_moe_decoder(config, model_config, weights, max_model_len, device, dtype, pack, kv_extra_layers)
     with torch.device("meta"):
         model = CausalLM(model_config, max_model_len)
     model = model.to_empty(device=device)

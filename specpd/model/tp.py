@@ -57,6 +57,10 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
     """ValueError naming the sizes when `tp` ranks cannot split the model's heads and MLP evenly."""
     if tp < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp}")
+    if tp > 1 and cfg.moe is not None:  # docs/tensor-parallelism.md: what a rank would hold
+        raise ValueError(f"--tp-size {tp} is not supported for {cfg.architecture} (MoE"
+                         f"{', multi-head latent attention' if cfg.mla is not None else ''}): serve it with "
+                         f"--tp-size 1")
     for name, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
                     ("MLP intermediate size", cfg.intermediate_size)):
         if n % tp:

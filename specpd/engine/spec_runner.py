@@ -23,7 +23,6 @@ from specpd.draft.hybrid import HybridProposer
 from specpd.draft.ngram import NgramProposer
 from specpd.draft.proposer import DraftExtend, Proposer
 from specpd.grammar.matcher import mask_logits
-from specpd.kv.pool import KVPool
 from specpd.model.runner import ModelRunner, SampledTokens
 from specpd.model.sampler import compute_logprobs, process_logits, sample
 from specpd.engine.spec_calibration import calibrate

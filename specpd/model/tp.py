@@ -8,14 +8,11 @@ decoder and of the KV pool; they run the target forwards rank 0 runs, in the sam
     heads they read, and a slice of the MLP's intermediate), o_proj and down_proj row-parallel: one all-reduce
     after each (partial sums; no bias there), so every rank's residual stream is the same tensor;
   - the embedding, the norms and the LM head are replicated; only rank 0 computes logits;
-  - the KV pool is sharded by KV head: every rank has the same pages (one allocator, rank 0's) holding its
-    heads, so a page id means the same tokens on every rank.
+  - the KV pool is sharded by KV head: every rank has the same pages (rank 0's allocator) holding its heads.
 A forward's inputs reach the workers over a pipe per worker (pickled ids, positions and attention metadata,
 no plan: each rank plans its own backend), and so do the KV slot moves of a verified tree path (`compact_kv`);
-the all-reduces go over the collective backend (`collective_backend`: NCCL where the device is CUDA, gloo on a CPU; a
-bf16 / fp16 partial sum in fp32 either way). On a GPU each rank holds one device (`rank_device`: rank r on
-cuda:r, so --tp-size N needs N GPUs, refused at start-up otherwise: `check_devices`), and a forward's inputs cross
-the pipe on the host, each worker moving them to its own device.
+the all-reduces over `collective_backend` (a bf16 / fp16 partial sum in fp32). On a GPU rank r holds cuda:r
+(`rank_device`; --tp-size past the GPU count is refused at start-up: `check_devices`).
 A draft model (EAGLE, EAGLE-3, MTP) is not sharded: it runs whole on rank 0 on the target's replicated
 embedding and LM head and on the full hidden states (every rank has the whole residual stream after each
 all-reduce), in a KV pool of every head on rank 0, so its KV, top-k and hidden are TP 1's up to the all-reduce's

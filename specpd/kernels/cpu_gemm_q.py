@@ -44,7 +44,24 @@ PATHS = {2: "avx512_vnni", 1: "avx2"}  # specpd_gemm_q_available's codes
 def _lib():
     if os.environ.get("SPECPD_GEMM_KERNEL", "1") == "0":
         return None
-    lib = load("cpu_gemm_q.c")
+    return _typed(load("cpu_gemm_q.c"))
+
+
+def variant(march: str):
+    """The kernel built for another target (SPECPD_KERNEL_MARCH's values: x86-64-v3 is the AVX2 path), for
+    benchmarks to time beside this CPU's build (the packed layout is the same), or None where it is not built."""
+    saved = os.environ.get("SPECPD_KERNEL_MARCH")
+    os.environ["SPECPD_KERNEL_MARCH"] = march
+    try:
+        return _typed(load.__wrapped__("cpu_gemm_q.c"))
+    finally:
+        if saved is None:
+            del os.environ["SPECPD_KERNEL_MARCH"]
+        else:
+            os.environ["SPECPD_KERNEL_MARCH"] = saved
+
+
+def _typed(lib):
     if lib is None or not lib.specpd_gemm_q_available():
         return None
     lib.specpd_gemm_q_packed_bytes.argtypes = [ctypes.c_int, _I, _I]
@@ -92,16 +109,17 @@ def unpack(fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return blocks
 
 
-def gemm(x: torch.Tensor, fmt: str, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def gemm(x: torch.Tensor, fmt: str, packed: torch.Tensor, bias: torch.Tensor | None, n: int, lib=None
+         ) -> torch.Tensor:
     """x [M, K] fp32 / bf16 (rows may be strided) @ W.T (+ bias, fp32 [n]) -> [M, n] in x's dtype (another
-    dtype is computed from fp32 and rounded back)."""
+    dtype is computed from fp32 and rounded back). lib: a `variant` (default: this CPU's build)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
-        return gemm(x.float(), fmt, packed, bias, n).to(x.dtype)
+        return gemm(x.float(), fmt, packed, bias, n, lib).to(x.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     out = x.new_empty(m, n)
-    rc = _lib().specpd_gemm_q(FORMATS[fmt], DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0) if m > 1 else k, m, k,
+    rc = (lib or _lib()).specpd_gemm_q(FORMATS[fmt], DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0) if m > 1 else k, m, k,
                               packed.data_ptr(), None if bias is None else bias.data_ptr(), n, out.data_ptr())
     if rc:
         raise ValueError(f"gemm_q: kernel error {rc} ({fmt}, M={m}, K={k}, N={n})")

@@ -17,16 +17,17 @@ from specpd.model.quant import quantize_model
 
 def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                   max_model_len: int, device: torch.device, dtype: torch.dtype, pack: bool = True,
-                  kv_extra_layers: int = 0, row_scales=None) -> tuple[CausalLM, KVPool, object]:
+                  kv_extra_layers: int = 0, row_scales=None, blocks=None) -> tuple[CausalLM, KVPool, object]:
     """(decoder, its KV pool, its attention backend) from HF-named weights: the whole model, or one
     tensor-parallel rank's shard (`model_config` and `weights` of its heads, specpd/model/tp.py; `row_scales`:
-    int8's whole-row scales of its row-parallel layers, tp.row_parallel_scales)."""
+    int8's whole-row scales of its row-parallel layers, tp.row_parallel_scales). `config.quantization` is
+    resolved (specpd.model.quant.resolve); `blocks`: the GGUF's quantized matrices it serves for 'gguf'."""
     with torch.device("meta"):
         model = CausalLM(model_config, max_model_len)
     model = model.to_empty(device=device)
     model.load_weights(weights)
-    # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
-    quantize_model(model, config.quantization, row_scales)
+    # quantize from the checkpoint's precision, before the cast (specpd.model.quant)
+    model.weight_formats = quantize_model(model, config.quantization, blocks, row_scales)
     model = model.to(dtype=dtype).eval()
     if device.type == "cpu" and pack:
         model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)

@@ -5,7 +5,7 @@ forward, and samples one token for each item that reached the end of its sequenc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +19,7 @@ from specpd.kv.pool import DTYPES, KVPool
 from specpd.machine import default_threads
 from specpd.model.decoder import build_decoder
 from specpd.model.loader import Checkpoint
-from specpd.model.quant import check_config as check_quant_config
+from specpd.model.quant import resolve as resolve_quantization
 from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, greedy_tokens, process_logits,
                                   sample)
 
@@ -46,11 +46,11 @@ class ModelRunner:
         pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
         pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
         config = config.resolved()
+        config = replace(config, quantization=resolve_quantization(config, checkpoint.blocks, pack))
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        check_quant_config(config)
         # process-wide (torch has no per-model setting); default: OMP_NUM_THREADS, else every core it may use
         self.num_threads = config.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
@@ -61,7 +61,7 @@ class ModelRunner:
             return
         self.model, self.kv_pool, self.backend = build_decoder(
             config, self.model_config, checkpoint.weights, max_model_len, self.device, self.dtype, pack=pack,
-            kv_extra_layers=kv_extra_layers)
+            kv_extra_layers=kv_extra_layers, blocks=checkpoint.blocks)
         self._init_host_state(config)
 
     def _init_tensor_parallel(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
@@ -75,7 +75,6 @@ class ModelRunner:
         self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)
         if pd_role is not None and config.cache.num_pages is None:  # TP 1's page count: P and D pages pair alike
-            from dataclasses import replace
             page = KVPool.page_bytes(self.model_config, config.cache.page_size, self.dtype, kv_extra_layers)
             config = replace(config, cache=replace(config.cache, num_pages=max(
                 1, (config.cache.kv_cache_memory_mb << 20) // page)))
@@ -111,9 +110,13 @@ class ModelRunner:
     def runtime_info(self) -> dict:
         """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""
         from specpd.machine import isa
+        from specpd.kernels.cpu_gemm_q import path
         return {"num_threads": self.num_threads, "tp_size": self.config.tp_size, "dtype": self.config.dtype,
                 "device": str(self.device),
-                "cpu_isa": isa() if self.device.type == "cpu" else None}
+                "cpu_isa": isa() if self.device.type == "cpu" else None,
+                # the resolved --quantization, and how many weights each format took (specpd/model/quant.py)
+                "quantization": self.config.quantization, "weight_formats": dict(self.model.weight_formats),
+                "quant_kernel": path() if self.model.weight_formats else None}
 
     # -- per-request state -----------------------------------------------------------------
     def generator_for(self, request) -> torch.Generator | None:

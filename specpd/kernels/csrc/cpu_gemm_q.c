@@ -134,6 +134,12 @@ static inline void qg_block_scale(float amax, float* d, float* id) {
 #endif
 
 #ifdef QG_VNNI
+#ifndef QG_AHEAD
+#define QG_AHEAD 0
+#endif
+#ifndef QG_LOC
+#define QG_LOC 1
+#endif
 #define QG_MR 16  /* rows a tile takes: 8 code vectors + 16 accumulators + scales fit the 32 registers */
 
 static inline __m512 qg_load16(int dt, const void* x, int64_t i) {
@@ -173,6 +179,10 @@ static inline __attribute__((always_inline)) void qg_tile(const int fmt, const i
   for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* cw = codes + b * cb;
+#if QG_AHEAD
+    for (int i = 0; i < cb; i += 64) __builtin_prefetch(cw + QG_AHEAD + i, 0, QG_LOC);
+    __builtin_prefetch(sc + b * sh + QG_AHEAD / 8, 0, QG_LOC);
+#endif
     __m512i w[8];
     if (fmt == QG_Q8_0) {
 #pragma GCC unroll 8

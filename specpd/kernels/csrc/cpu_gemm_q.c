@@ -134,12 +134,6 @@ static inline void qg_block_scale(float amax, float* d, float* id) {
 #endif
 
 #ifdef QG_VNNI
-#ifndef QG_AHEAD
-#define QG_AHEAD 0
-#endif
-#ifndef QG_LOC
-#define QG_LOC 1
-#endif
 #define QG_MR 16  /* rows a tile takes: 8 code vectors + 16 accumulators + scales fit the 32 registers */
 
 static inline __m512 qg_load16(int dt, const void* x, int64_t i) {
@@ -179,10 +173,6 @@ static inline __attribute__((always_inline)) void qg_tile(const int fmt, const i
   for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* cw = codes + b * cb;
-#if QG_AHEAD
-    for (int i = 0; i < cb; i += 64) __builtin_prefetch(cw + QG_AHEAD + i, 0, QG_LOC);
-    __builtin_prefetch(sc + b * sh + QG_AHEAD / 8, 0, QG_LOC);
-#endif
     __m512i w[8];
     if (fmt == QG_Q8_0) {
 #pragma GCC unroll 8
@@ -202,14 +192,10 @@ static inline __attribute__((always_inline)) void qg_tile(const int fmt, const i
     for (int r = 0; r < MR; r++) {
       const int64_t row = m0 + r, at = row * nb + b;
       const int8_t* xr = X->q + row * K + 32 * b;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int i = 0; i < 8; i += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[i], _mm512_set1_epi32(qg_i32(xr + 4 * i)));
-        s1 = _mm512_dpbusd_epi32(s1, w[i + 1], _mm512_set1_epi32(qg_i32(xr + 4 * i + 4)));
-      }
-      __m512i s = _mm512_add_epi32(s0, s1);
-      if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->s[at]));
+      /* the codes' offset taken off up front: the int32 sum starts at -offset * sum(q_x) */
+      __m512i s = off ? _mm512_set1_epi32(-off * X->s[at]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, w[i], _mm512_set1_epi32(qg_i32(xr + 4 * i)));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(X->d[at])), _mm512_cvtepi32_ps(s), acc[r]);
       if (fmt == QG_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X->ds[at]), acc[r]);
     }

@@ -28,6 +28,10 @@ vs 714 for a 512-row prefill chunk); oneDNN keeps fp32 on AVX2 boxes.
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
 F.linear over the unpacked weight, so a draft trainer can backpropagate through a packed target's head.
+
+`QuantLinear` holds a weight in GGUF blocks (Q4_0 / Q4_1 / Q8_0) for the quantized kernel (cpu_gemm_q: AVX2 and
+AVX512-VNNI, fp32 or bf16 activations, every width, batch invariant); specpd/model/quant.py decides which
+linears take it (tests/model/test_quant.py, tests/kernels/test_cpu_gemm_q.py).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from specpd.config import EngineConfig, ModelConfig
 from specpd.kernels.cpu_linear import weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import CausalLM, Rotary
-from specpd.model.quant import quantize_model
+from specpd.model.quant import quantize_model, serve_blocks
 
 
 def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -25,9 +25,12 @@ def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict
     with torch.device("meta"):
         model = CausalLM(model_config, max_model_len)
     model = model.to_empty(device=device)
-    model.load_weights(weights)
-    # quantize from the checkpoint's precision, before the cast (specpd.model.quant)
-    model.weight_formats = quantize_model(model, config.quantization, blocks, row_scales)
+    taken: set[str] = set()
+    if config.quantization == "gguf":  # the file's blocks in place first: their dense copies are never loaded
+        model.weight_formats, taken = serve_blocks(model, blocks or {}, weights)
+    model.load_weights({k: v for k, v in weights.items() if k not in taken} if taken else weights)
+    if config.quantization in ("int8", "int4"):  # from the checkpoint's precision, before the cast
+        model.weight_formats = quantize_model(model, config.quantization, row_scales)
     model = model.to(dtype=dtype).eval()
     if device.type == "cpu" and pack:
         model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)

@@ -128,38 +128,66 @@ def int8_scale(weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, blocks: dict[str, QuantBlocks] | None = None,
-                   row_scales=None) -> dict[str, int]:
-    """Swap the decoder's linears (and the LM head) for QuantLinear where `method` gives them blocks; returns how
-    many weights each format took (the dense ones under "dense"). Done once at load, before the dtype cast, from
-    the checkpoint's precision. The dense head weight stays (`lm_head_weight`: the embedding when tied) for drafts
-    that borrow it; only the target's own `compute_logits` uses the quantized copy. `row_scales`: unused (int8's
-    Q8_0 blocks need no whole-row scales)."""
-    del row_scales
+def serve_blocks(model: nn.Module, blocks: dict[str, QuantBlocks], weights: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, int], set[str]]:
+    """gguf: every linear (and the LM head) the GGUF's blocks make into a QuantLinear, in place, before the model
+    loads its dense weights; returns (weights per format, the HF names the blocks took: the dense copies of those
+    are never loaded). A linear's bias comes from `weights` (q/k/v's stacked as qkv_proj's)."""
     counts: dict[str, int] = {}
-    if method in ("none", "auto"):
-        return counts
+    taken: set[str] = set()
+    parts = {"qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"], "o_proj": ["self_attn.o_proj"],
+             "gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "down_proj": ["mlp.down_proj"]}
     for i, layer in enumerate(model.layers):
-        from_file = layer_blocks(blocks or {}, i) if method == "gguf" else {}
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            linear: nn.Linear = getattr(parent, name)
-            qb = from_file.get(name) if method == "gguf" else quantize_dense(DENSE_FORMATS[method], linear.weight)
+        for name, qb in layer_blocks(blocks, i).items():
             _count(counts, qb)
-            if qb is not None:
-                setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, linear.bias))
-    if method == "gguf":
-        head = (blocks or {}).get("model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
-    else:
-        head = quantize_dense(HEAD_FORMAT, model.lm_head_weight)
+            if qb is None:
+                continue
+            names = [f"model.layers.{i}.{p}" for p in parts[name]]
+            biases = [weights.get(f"{n}.bias") for n in names]
+            bias = None if biases[0] is None else torch.cat(biases).float()
+            parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+            setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, bias))
+            taken |= {f"{n}.{kind}" for n in names for kind in ("weight", "bias")}
+    head = blocks.get("model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
     _count(counts, head)
     if head is not None:
         model.quantized_head = QuantLinear(head.fmt, head.blocks, head.in_features, None)
-    dense = counts.get("dense", 0)
-    if dense:
-        logger.info("quantization %s: %d of %d linears stay dense (no blocks the kernel takes)", method, dense,
-                    sum(counts.values()))
+    _log_dense("gguf", counts)
+    return counts, taken
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, row_scales=None) -> dict[str, int]:
+    """int8 / int4: swap the decoder's linears (and the LM head) for QuantLinear over the dense weights quantized
+    into DENSE_FORMATS[method]'s blocks (the head HEAD_FORMAT's); returns how many weights each format took
+    (the dense ones under "dense"). Done once at load, after the model loaded its weights, before the dtype cast:
+    from the checkpoint's precision. The dense head weight stays (`lm_head_weight`: the embedding when tied) for
+    drafts that borrow it; only the target's own `compute_logits` uses the quantized copy. `row_scales`: unused
+    (Q8_0 blocks need no whole-row scales)."""
+    del row_scales
+    counts: dict[str, int] = {}
+    if method not in DENSE_FORMATS:
+        return counts
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            linear: nn.Linear = getattr(parent, name)
+            qb = quantize_dense(DENSE_FORMATS[method], linear.weight)
+            _count(counts, qb)
+            if qb is not None:
+                setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, linear.bias))
+    head = quantize_dense(HEAD_FORMAT, model.lm_head_weight)
+    _count(counts, head)
+    if head is not None:
+        model.quantized_head = QuantLinear(head.fmt, head.blocks, head.in_features, None)
+    _log_dense(method, counts)
     return counts
+
+
+def _log_dense(method: str, counts: dict[str, int]) -> None:
+    if counts.get("dense"):
+        logger.info("quantization %s: %d of %d linears stay dense (no blocks the kernel takes)", method,
+                    counts["dense"], sum(counts.values()))
 
 
 def _count(counts: dict[str, int], qb: QuantBlocks | None) -> None:

@@ -120,3 +120,37 @@ def test_int8_int4_quantize_an_hf_directory_at_any_dtype(tmp_path, method, dtype
     assert diff.mean() < (0.05 if method == "int8" else 0.2) * want.abs().mean() + 0.02, diff.mean()
     quantized.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert quantized.free_pages == 64
+
+
+def test_gguf_blocks_of_a_model_with_qkv_bias(tmp_path, monkeypatch):
+    """A qwen2 GGUF (q/k/v bias, tied head) whose matrices are Q8_0 where their width allows: qkv_proj runs from
+    its stacked blocks with the stacked bias, down_proj (48 inputs) stays dense, and the logits stay near the dense
+    engine's on the same file."""
+    import gguf
+
+    from tests.model.test_loader import _tiny, _write_gguf
+    monkeypatch.setenv("SPECPD_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = _tiny("qwen2", tie=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    formats = {n: gguf.GGMLQuantizationType.Q8_0 for n, t in model.state_dict().items()
+               if t.dim() == 2 and t.shape[1] % 32 == 0}
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(model, "qwen2", path, model.config.hidden_size // model.config.num_attention_heads, formats)
+
+    def build(quantization):
+        return LLMEngine(EngineConfig(model=path, quantization=quantization,
+                                      cache=CacheConfig(page_size=4, num_pages=64)))
+    dense, quantized = build("none"), build("gguf")
+    layers = model.config.num_hidden_layers
+    assert quantized.runner.runtime_info()["weight_formats"] == {"Q8_0": 3 * layers + 1, "dense": layers}
+    qkv = quantized.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.fmt == "Q8_0" and qkv.bias is not None and qkv.bias.abs().sum() > 0
+    prompts = [[5, 17, 90, 3, 8], list(range(40, 57))]
+    want, got = all_logits(dense, prompts, seed=1), all_logits(quantized, prompts, seed=2)
+    assert (got - want).abs().mean() < 0.05 * want.abs().mean() + 1e-3
+    quantized.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert quantized.free_pages == 64

@@ -115,13 +115,14 @@ int specpd_gemm_q_unpack(int fmt, const uint8_t* packed, int64_t N, int64_t K, u
 }
 
 #if defined(QG_VNNI) || defined(QG_AVX2)
-/* x's rows quantized per 32-block: codes q [M][K], scale d [M][K/32], code sum s [M][K/32], d * s [M][K/32] */
+/* x's rows quantized per 32-block, block-major (a tile finds its rows' block b side by side, one base pointer
+   each): codes q [K/32][M][32], scale d [K/32][M], code sum s [K/32][M], d * s [K/32][M] */
 typedef struct {
   int8_t* q;
   float* d;
   int32_t* s;
   float* ds;
-  int64_t K, nb;
+  int64_t M, nb;
 } qg_x;
 
 static inline int32_t qg_i32(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return v; }
@@ -143,8 +144,8 @@ static inline __m512 qg_load16(int dt, const void* x, int64_t i) {
 }
 
 static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
-  int8_t* q = X->q + row * X->K;
   for (int64_t b = 0; b < X->nb; b++) {
+    int8_t* q = X->q + (b * X->M + row) * 32;
     __m512 v0 = qg_load16(dt, x, 32 * b), v1 = qg_load16(dt, x, 32 * b + 16);
     float d, id;
     qg_block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))), &d, &id);
@@ -152,12 +153,12 @@ static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), lo), hi);
     __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, idv)), lo), hi);
-    _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtepi32_epi8(q1));
     const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    X->d[row * X->nb + b] = d;
-    X->s[row * X->nb + b] = s;
-    X->ds[row * X->nb + b] = d * (float)s;
+    X->d[b * X->M + row] = d;
+    X->s[b * X->M + row] = s;
+    X->ds[b * X->M + row] = d * (float)s;
   }
 }
 
@@ -165,7 +166,7 @@ static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
 static inline __attribute__((always_inline)) void qg_tile(const int fmt, const int MR, const uint8_t* codes,
                                                           const uint16_t* sc, const qg_x* X, int64_t m0,
                                                           float* out) {
-  const int64_t nb = X->nb, K = X->K, cb = qg_code_bytes(fmt), sh = qg_scale_halves(fmt);
+  const int64_t nb = X->nb, M = X->M, cb = qg_code_bytes(fmt), sh = qg_scale_halves(fmt);
   const int off = fmt == QG_Q8_0 ? 128 : fmt == QG_Q4_0 ? 8 : 0;  /* the unsigned codes' offset */
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MR];
@@ -188,16 +189,16 @@ static inline __attribute__((always_inline)) void qg_tile(const int fmt, const i
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + b * sh)));
     __m512 mw = _mm512_setzero_ps();
     if (fmt == QG_Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sc + b * sh + 16)));
+    const int64_t at = b * M + m0;  /* the tile's first row in block b */
+    const int8_t* xq = X->q + at * 32;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; r++) {
-      const int64_t row = m0 + r, at = row * nb + b;
-      const int8_t* xr = X->q + row * K + 32 * b;
       /* the codes' offset taken off up front: the int32 sum starts at -offset * sum(q_x) */
-      __m512i s = off ? _mm512_set1_epi32(-off * X->s[at]) : _mm512_setzero_si512();
+      __m512i s = off ? _mm512_set1_epi32(-off * X->s[at + r]) : _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, w[i], _mm512_set1_epi32(qg_i32(xr + 4 * i)));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(X->d[at])), _mm512_cvtepi32_ps(s), acc[r]);
-      if (fmt == QG_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X->ds[at]), acc[r]);
+      for (int i = 0; i < 8; i++) s = _mm512_dpbusd_epi32(s, w[i], _mm512_set1_epi32(qg_i32(xq + 32 * r + 4 * i)));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(X->d[at + r])), _mm512_cvtepi32_ps(s), acc[r]);
+      if (fmt == QG_Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X->ds[at + r]), acc[r]);
     }
   }
 #pragma GCC unroll 16
@@ -252,7 +253,6 @@ static inline int32_t qg_hsum(__m256i v) {
 }
 
 static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
-  int8_t* q = X->q + row * X->K;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   for (int64_t b = 0; b < X->nb; b++) {
@@ -273,11 +273,11 @@ static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
     /* 32 int32 -> 32 int8 in order (packs work per 128-bit lane: the permute puts the lanes back) */
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i*)(q + 32 * b), p);
+    _mm256_storeu_si256((__m256i*)(X->q + (b * X->M + row) * 32), p);
     const int32_t s = qg_hsum(sum);
-    X->d[row * X->nb + b] = d;
-    X->s[row * X->nb + b] = s;
-    X->ds[row * X->nb + b] = d * (float)s;
+    X->d[b * X->M + row] = d;
+    X->s[b * X->M + row] = s;
+    X->ds[b * X->M + row] = d * (float)s;
   }
 }
 
@@ -285,7 +285,7 @@ static void qg_quantize_row(int dt, const void* x, const qg_x* X, int64_t row) {
 static inline __attribute__((always_inline)) void qg_tile(const int fmt, const int MR, const uint8_t* codes,
                                                           const uint16_t* sc, const qg_x* X, int64_t m0,
                                                           float* out) {
-  const int64_t nb = X->nb, K = X->K, cb = qg_code_bytes(fmt), sh = qg_scale_halves(fmt);
+  const int64_t nb = X->nb, M = X->M, cb = qg_code_bytes(fmt), sh = qg_scale_halves(fmt);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   for (int h = 0; h < 2; h++) {
     __m256 acc[MR];
@@ -308,10 +308,11 @@ static inline __attribute__((always_inline)) void qg_tile(const int fmt, const i
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + b * sh + 8 * h)));
       __m256 mw = _mm256_setzero_ps();
       if (fmt == QG_Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + b * sh + 16 + 8 * h)));
+      const int64_t row0 = b * M + m0;  /* the tile's first row in block b */
 #pragma GCC unroll 8
       for (int r = 0; r < MR; r++) {
-        const int64_t row = m0 + r, at = row * nb + b;
-        const int8_t* xr = X->q + row * K + 32 * b;
+        const int64_t at = row0 + r;
+        const int8_t* xr = X->q + at * 32;
         __m256i s;
         if (fmt == QG_Q8_0) {
           /* |w| (unsigned, <= 128) times x with w's sign: a pair of products stays within int16 */
@@ -407,7 +408,7 @@ int specpd_gemm_q(int fmt, int dt, const void* x, int64_t ldx, int64_t M, int64_
   uint8_t* ws = qg_workspace(qbytes + 3 * sbytes);
   if (!ws) return 4;
   const qg_x X = {(int8_t*)ws, (float*)(ws + qbytes), (int32_t*)(ws + qbytes + sbytes),
-                  (float*)(ws + qbytes + 2 * sbytes), K, nb};
+                  (float*)(ws + qbytes + 2 * sbytes), M, nb};
   const uint16_t* scales = (const uint16_t*)(packed + groups * nb * cb);
   const qg_tile_fn* tiles = qg_tiles(fmt);
   const int64_t es = dt == 0 ? 4 : 2;

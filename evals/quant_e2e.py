@@ -134,8 +134,10 @@ def main() -> None:
     from specpd.machine import isa
     meta = {"machine": machine_info(), "isa": isa(), "q_kernel_path": path(), "versions": versions(),
             "generate_prompt": PROMPT, "speed_tokens": args.speed_tokens, "reps": args.reps}
+    load_start = round(os.getloadavg()[0], 2)
     result = {"meta": meta, "agreement": agreement(args.prompts, args.tokens),
               "speed": speed(args.reps, args.speed_tokens), "memory": memory()}
+    meta["load_average_1m_start_end"] = [load_start, round(os.getloadavg()[0], 2)]  # the box is shared
     write_json(args.out, result)
     log("wrote", args.out)
 

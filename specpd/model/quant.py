@@ -3,7 +3,8 @@ same blocks, all multiplied by one kernel (specpd/kernels/cpu_gemm_q.py: Q4_0, Q
 fp32 or bf16 activations).
 
 Decode at small batch streams every weight once per step, so it is bound by memory: the default GGUF's Q4_1
-layers and Q8_0 head are 96 MB against 538 MB of fp32 (evals/bench_gemm_q.py -> evals/results/gemm_q.json).
+layers and Q8_0 head hold a fraction of the fp32 bytes (evals/bench_gemm_q.py -> evals/results/gemm_q.json
+times one forward's linears on each path against those bytes' floor).
 
 `--quantization` (EngineConfig.quantization; `resolve` decides `auto`):
   - gguf: every linear (and the LM head) whose GGUF tensor is Q4_0 / Q4_1 / Q8_0 runs from those blocks. The
@@ -13,16 +14,16 @@ layers and Q8_0 head are 96 MB against 538 MB of fp32 (evals/bench_gemm_q.py -> 
     multiple of 32) stays dense: the dtype's path, exact.
   - int8 / int4: the dense linears quantized with llama.cpp's reference quantizer into Q8_0 / Q4_1 blocks (any
     checkpoint, any dtype). The LM head is Q8_0 in both: re-quantizing it to 4 bits is the one lossy step that
-    shows (greedy SmolLM2 drifted from dense after 3-8 tokens with an int4 head, after 8-32 with int8, at about
-    the same speed). Re-quantizing the default GGUF's dequantized weights gives back its blocks bit for bit
+    shows (greedy SmolLM2 drifted from dense several times sooner with an int4 head than with an int8 one, at
+    about the same speed). Re-quantizing the default GGUF's dequantized weights gives back its blocks bit for bit
     (tests/model/test_quant.py), so int4 on it equals gguf.
   - none: dequantized dense weights.
   - auto (the default): gguf for a GGUF with such tensors on a CPU where the kernel runs, at tp_size 1, on a
     packed (serving) model; none otherwise. SPECPD_AUTO_QUANTIZATION=none pins it to none (the test suite does:
     its references are dense fp32 HF outputs).
 The activations are quantized per 32-block to int8 inside the kernel (llama.cpp's scheme), so greedy output is
-not bit-identical to the dequantized fp32 engine's: tests/model/test_quant.py bounds the token agreement and
-evals/quant_e2e.py measures it. Speculation stays lossless: the kernel is batch invariant.
+not bit-identical to the dequantized fp32 engine's: tests/model/test_quant_engine.py bounds the token agreement
+and evals/quant_e2e.py measures it. Speculation stays lossless: the kernel is batch invariant.
 The embedding lookup keeps the dense table (the dtype's), so drafts that borrow it see the same values.
 Tensor parallelism: int8 / int4 quantize each rank's shard, TP 1's blocks sliced (32-weight blocks never straddle
 a shard whose width is a multiple of 32: tp.check_quantization); gguf is TP 1 only.

@@ -336,9 +336,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | cpu | torch | triton | flashinfer
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's context length
-    # weight-only quantization of the decoder's linears and the LM head: none | int4 | int8
-    # (specpd.model.quant; needs dtype bfloat16 on cpu)
-    quantization: str = "none"
+    # weights of the decoder's linears and the LM head (specpd.model.quant): auto | gguf | int8 | int4 | none;
+    # auto: gguf (the file's Q4_0 / Q4_1 / Q8_0 blocks as they are) for a GGUF, none (dense) for an HF directory
+    quantization: str = "auto"
     num_threads: int | None = None  # torch.set_num_threads for this process; None: OMP_NUM_THREADS, else its cores
     # tensor-parallel ranks (specpd/model/tp.py): one process each, heads and MLP split, KV sharded by head;
     # --num-threads is then per rank (default: the cores / tp_size)

@@ -16,6 +16,10 @@ os.environ.setdefault("SPECPD_HUGE_PAGES", "0")
 # `--dtype auto` (the default) is bfloat16 on a CPU with AMX / AVX512-BF16: the suite's references are fp32 (HF
 # transformers, the unified engine), so the suite pins what auto means; tests of the machine default clear it
 os.environ.setdefault("SPECPD_AUTO_DTYPE", "float32")
+# `--quantization auto` (the default) serves a GGUF's quantized blocks (specpd/model/quant.py), whose activations
+# are quantized to int8: the suite's references are dense fp32, so it pins auto to dense; tests/model/test_quant.py
+# and tests/model/test_quant_engine.py run the GGUF's blocks (and speculation on them) explicitly
+os.environ.setdefault("SPECPD_AUTO_QUANTIZATION", "none")
 
 # The Triton kernels run on the host under the interpreter only where no CUDA device is: on a GPU machine they are
 # compiled for it and tests/gpu runs them there (the interpreter is read when the kernels are defined, so one

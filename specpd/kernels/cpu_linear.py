@@ -28,6 +28,10 @@ vs 714 for a 512-row prefill chunk); oneDNN keeps fp32 on AVX2 boxes.
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
 F.linear over the unpacked weight, so a draft trainer can backpropagate through a packed target's head.
+
+`QuantLinear` holds a weight in GGUF blocks (Q4_0 / Q4_1 / Q8_0) for the quantized kernel (cpu_gemm_q: AVX2 and
+AVX512-VNNI, fp32 or bf16 activations, every width, batch invariant); specpd/model/quant.py decides which
+linears take it (tests/model/test_quant.py, tests/kernels/test_cpu_gemm_q.py).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32, cpu_gemm_q
 from specpd.machine import collapse_huge_pages
 
 _KERNELS = {torch.bfloat16: cpu_gemm_bf16, torch.float32: cpu_gemm_f32}  # the project's GEMM per weight dtype
@@ -110,6 +114,48 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, dtype={self.dtype}, bias={self.bias is not None}, "
                 f"few_rows={self.few_rows}")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b with W in GGUF blocks (Q4_0 / Q4_1 / Q8_0: specpd/model/quant.py decides which linears),
+    packed once for the quantized kernel (specpd/kernels/cpu_gemm_q.py): fp32 or bf16 activations, any row count,
+    batch invariant. Its reference is F.linear over the dequantized weight with the activation quantized per
+    32-block (cpu_gemm_q.gemm_ref). Where the kernel does not run (no C compiler, a CPU without AVX2) and under
+    autograd it computes F.linear over the dequantized fp32 weight (kept once, for the former)."""
+
+    def __init__(self, fmt: str, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
+        # plain attributes, not buffers: a dtype cast of the model leaves the codes and the fp32 bias alone
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.packed = self.dense = None
+        if cpu_gemm_q.usable(fmt, in_features):
+            self.packed = cpu_gemm_q.pack(fmt, blocks, in_features)  # uint8, the file's bytes regrouped
+        else:
+            self.dense = cpu_gemm_q.dequantize(fmt, blocks, in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The [out, in] fp32 weight the blocks hold."""
+        if self.dense is not None:
+            return self.dense
+        blocks = cpu_gemm_q.unpack(self.fmt, self.packed, self.out_features, self.in_features)
+        return cpu_gemm_q.dequantize(self.fmt, blocks, self.in_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantized()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.packed is None or (torch.is_grad_enabled() and x.requires_grad):
+            out = F.linear(x2.float(), self.dequantized(), self.bias).to(x.dtype)
+        else:
+            out = cpu_gemm_q.gemm(x2, self.fmt, self.packed, self.bias, self.out_features)
+        return out if len(shape) == 2 else out.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.fmt}, bias={self.bias is not None}"
 
 
 def can_pack(linear: nn.Module) -> bool:

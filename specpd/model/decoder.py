@@ -13,23 +13,27 @@ from specpd.kernels.cpu_linear import weights_on_huge_pages
 from specpd.kv.pool import KVPool
 from specpd.model.llama import CausalLM, Rotary
 from specpd.model.moe_lm import build_moe_decoder
-from specpd.model.quant import quantize_model
+from specpd.model.quant import quantize_model, serve_blocks
 
 
 def build_decoder(config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                   max_model_len: int, device: torch.device, dtype: torch.dtype, pack: bool = True,
-                  kv_extra_layers: int = 0, row_scales=None) -> tuple[CausalLM, KVPool, object]:
+                  kv_extra_layers: int = 0, row_scales=None, blocks=None) -> tuple[CausalLM, KVPool, object]:
     """(decoder, its KV pool, its attention backend) from HF-named weights: the whole model, or one
     tensor-parallel rank's shard (`model_config` and `weights` of its heads, specpd/model/tp.py; `row_scales`:
-    int8's whole-row scales of its row-parallel layers, tp.row_parallel_scales)."""
+    int8's whole-row scales of its row-parallel layers, tp.row_parallel_scales). `config.quantization` is
+    resolved (specpd.model.quant.resolve); `blocks`: the GGUF's quantized matrices it serves for 'gguf'."""
     if model_config.moe is not None:  # DeepSeek-V3 / GLM-4.5: their own layers and pool (specpd/model/moe_lm.py)
         return build_moe_decoder(config, model_config, weights, max_model_len, device, dtype, pack, kv_extra_layers)
     with torch.device("meta"):
         model = CausalLM(model_config, max_model_len)
     model = model.to_empty(device=device)
-    model.load_weights(weights)
-    # quantize from the checkpoint's precision, before the cast (see specpd.model.quant for Q4_1)
-    quantize_model(model, config.quantization, row_scales)
+    taken: set[str] = set()
+    if config.quantization == "gguf":  # the file's blocks in place first: their dense copies are never loaded
+        model.weight_formats, taken = serve_blocks(model, blocks or {}, weights)
+    model.load_weights({k: v for k, v in weights.items() if k not in taken} if taken else weights)
+    if config.quantization in ("int8", "int4"):  # from the checkpoint's precision, before the cast
+        model.weight_formats = quantize_model(model, config.quantization, row_scales)
     model = model.to(dtype=dtype).eval()
     if device.type == "cpu" and pack:
         model.pack_for_cpu()  # weights prepacked once for oneDNN (specpd/kernels/cpu_linear.py)

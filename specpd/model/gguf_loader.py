@@ -1,13 +1,16 @@
-"""GGUF checkpoints -> HF-named fp tensors + an HF-style config dict.
+"""GGUF checkpoints -> HF-named fp tensors + an HF-style config dict (+ the blocks of quantized tensors).
 
 1. Read metadata and tensors with `gguf.GGUFReader`.
 2. Dequantize each tensor (`gguf.quants.dequantize`) into torch order:
    GGUF lists shapes fastest-dimension first, so `[576, 1536]` in the file is
    a `[1536, 576]` torch weight.
-3. Rename llama.cpp tensor names to HF parameter names.
-4. Undo llama.cpp's q/k row permutation for llama-arch files (see
-   `unpermute_qk`). Qwen2/Qwen3 files are written unpermuted.
-5. Build the HF config.json equivalent from `<arch>.*` metadata.
+3. Keep the raw blocks of each Q4_0 / Q4_1 / Q8_0 matrix beside it (specpd.model.quant.QuantBlocks: a row of
+   blocks per output row), which the quantized kernel serves as they are.
+4. Rename llama.cpp tensor names to HF parameter names.
+5. Undo llama.cpp's q/k row permutation for llama-arch files (see
+   `unpermute_qk`) on the weights and on the blocks alike: it moves whole rows, so blocks stay intact.
+   Qwen2/Qwen3 files are written unpermuted.
+6. Build the HF config.json equivalent from `<arch>.*` metadata.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from specpd.kernels.cpu_gemm_q import FORMATS
+from specpd.model.quant import QuantBlocks
 from specpd.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -156,13 +161,23 @@ def _tensor_to_torch(tensor) -> torch.Tensor:
     return torch.from_numpy(array.reshape(torch_shape))
 
 
+def _blocks(tensor, weight: torch.Tensor) -> QuantBlocks | None:
+    """A quantized matrix's blocks as the file stores them, [rows, row bytes] uint8 (None for other tensors)."""
+    fmt = tensor.tensor_type.name
+    if fmt not in FORMATS or weight.dim() != 2:
+        return None
+    raw = np.ascontiguousarray(tensor.data).reshape(weight.shape[0], -1)  # a copy out of the read-only mmap
+    return QuantBlocks(fmt, torch.from_numpy(raw.copy()), weight.shape[1])
+
+
 def load_gguf(path: str, dtype: torch.dtype = torch.float32
-              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
-    """Return (hf_config, HF-named weights, tokenizer) for one GGUF file."""
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None, dict[str, QuantBlocks]]:
+    """Return (hf_config, HF-named weights, tokenizer, HF-named blocks of the quantized matrices) for one GGUF."""
     reader = GGUFReader(path)
     config = build_hf_config(reader)
     permuted = config["model_type"] in _PERMUTED_QK_ARCHS
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantBlocks] = {}
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             logger.warning("%s: ignoring %s (llama3-style rope scaling is not read from GGUF)",
@@ -170,14 +185,22 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32
             continue
         name = gguf_to_hf_name(tensor.name)
         weight = _tensor_to_torch(tensor)
+        qb = _blocks(tensor, weight)
+        heads = None
         if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_qk(weight, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_qk(weight, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            weight = unpermute_qk(weight, heads)
+            if qb is not None:  # whole rows move: each row's blocks with it
+                qb = QuantBlocks(qb.fmt, unpermute_qk(qb.blocks, heads).contiguous(), qb.in_features)
         weights[name] = weight.to(dtype)
+        if qb is not None:
+            blocks[name] = qb
     try:
         tokenizer = Tokenizer.from_gguf(reader.fields)
     except NotImplementedError as exc:
         logger.warning("%s: no tokenizer loaded: %s", path, exc)
         tokenizer = None
-    return config, weights, tokenizer
+    return config, weights, tokenizer, blocks

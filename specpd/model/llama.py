@@ -247,6 +247,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # a weight-only quantized copy of the head (specpd.model.quant), used by compute_logits when set
         self.quantized_head: nn.Module | None = None
+        self.weight_formats: dict[str, int] = {}  # quantized weights per format ("dense": the others; quant.py)
         self.packed_head: PackedLinear | None = None  # the head prepacked for oneDNN (pack_for_cpu)
         self.cpu_stack = None  # the decoder layers as one C call (specpd/model/cpu_stack.py; pack_for_cpu)
 

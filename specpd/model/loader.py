@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from specpd.model.default import resolve_model_path
+from specpd.model.quant import QuantBlocks
 from specpd.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,20 +30,24 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]   # HF names, e.g. model.layers.0.self_attn.q_proj.weight
     tokenizer: Tokenizer | None        # None when the source carries no tokenizer
     name: str                          # the resolved path
+    # a GGUF's quantized matrices as the file holds them (HF names; specpd.model.quant serves them); {} elsewhere
+    blocks: dict[str, QuantBlocks] = field(default_factory=dict)
 
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
     resolved = resolve_model_path(path)
+    blocks: dict[str, QuantBlocks] = {}
     if os.path.isdir(resolved):
         config, weights, tokenizer = _load_hf_dir(resolved, dtype)
     elif resolved.endswith(".gguf"):
         from specpd.model.gguf_cache import load_gguf_cached
-        config, weights, tokenizer = load_gguf_cached(resolved, dtype)
+        config, weights, tokenizer, blocks = load_gguf_cached(resolved, dtype)
     else:
         raise ValueError(f"cannot load {resolved!r}: expected a model directory or a .gguf file")
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
-    return Checkpoint(hf_config=config, weights=weights, tokenizer=tokenizer, name=resolved)
+        blocks.pop("lm_head.weight", None)
+    return Checkpoint(hf_config=config, weights=weights, tokenizer=tokenizer, name=resolved, blocks=blocks)
 
 
 def normalize_hf_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -114,6 +114,7 @@ class MoECausalLM(CausalLM):
         self.quantized_head = None
         self.packed_head: PackedLinear | None = None
         self.cpu_stack = None
+        self.weight_formats: dict[str, int] = {}  # quantization is refused for these models
 
     @torch.no_grad()
     def pack_for_cpu(self) -> None:

@@ -1,204 +1,196 @@
-"""Weight-only quantization for the CPU decode path: int4 (groups of 32) and int8 (per channel).
+"""Quantized weights on CPU: a GGUF's blocks served as the file holds them, or dense weights quantized into the
+same blocks, all multiplied by one kernel (specpd/kernels/cpu_gemm_q.py: Q4_0, Q4_1, Q8_0; AVX2 and AVX512-VNNI;
+fp32 or bf16 activations).
 
-Decode at small batch streams every weight once per step, so it is bound by memory, not FLOPs;
-4-bit weights move 1/8 of the fp32 bytes. Activations stay bfloat16: torch's CPU kernels below are
-vectorized only for bf16 (with fp32 activations they run a scalar loop, ~10x slower than a dense
-fp32 matmul), so `quantization != "none"` requires `dtype="bfloat16"` and `device="cpu"`.
+Decode at small batch streams every weight once per step, so it is bound by memory: the default GGUF's Q4_1
+layers and Q8_0 head hold a fraction of the fp32 bytes (evals/bench_gemm_q.py -> evals/results/gemm_q.json
+times one forward's linears on each path against those bytes' floor).
 
-int4, `aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zeros)`:
-  w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k // 32,  q in 0..15.
-  Each group of 32 consecutive input columns of one output row is quantized asymmetrically:
-  scale = (max - min) / 15, zero = min + 8 * scale, q = round((w - min) / scale).
-int8, `aten._weight_int8pack_mm(x, q, scale)`: w[n, k] = q[n, k] * scale[n], scale = absmax(row) / 127.
-
-GGUF Q4_1 (the default model's layers) is the same int4 grid: a block is 32 consecutive weights of
-one row along the input dim, stored as fp16 d, fp16 m and codes 0..15 with w = d * q + m; that is
-scale = d, zero = m + 8 * d. llama.cpp's Q4_1 quantizer puts each block's min at code 0 and its max
-at code 15, so min/max of the dequantized block give back d, m and every code exactly (true of all
-3.3M layer blocks of the default model; tests/model/test_quant.py re-checks three layers). Fusing
-does not break blocks: the loader's q/k un-permutation moves whole rows, and qkv_proj / gate_up_proj
-stack the q, k, v (gate, up) rows, so every fused row is one GGUF row and its groups are that row's
-blocks.
-What the kernel cannot keep: scale and zero are stored in the activation dtype, bf16 (8-bit
-mantissa) instead of Q4_1's fp16 d, m, which moves a weight by at most ~2^-9 of its block's range;
-a matmul's error is then about that of the dense bf16 engine, which rounds every weight to bf16.
-
-The LM head is int8 in both modes. The default GGUF stores it (the tied embedding) as Q8_0, and
-re-quantizing it to 4 bits is the one lossy step that shows: greedy output of SmolLM2 drifted from
-dense bf16 after 3-8 tokens with an int4 head, after 8-32 (like bf16 vs fp32) with int8, at about
-the same decode speed. The embedding lookup keeps the full-precision table.
-
-Prefill chunks (>= DENSE_ROWS rows) do not use the kernels, which are 2x slower than a dense fp32
-GEMM at 512 rows on one core: they dequantize the same weight values to fp32 per call and use
-F.linear. So int4 keeps its codes twice (the kernel's blocked packing and plain nibbles), about
-1 byte per weight plus scales: half of bf16, not a quarter; int8 keeps 1 byte per weight.
+`--quantization` (EngineConfig.quantization; `resolve` decides `auto`):
+  - gguf: every linear (and the LM head) whose GGUF tensor is Q4_0 / Q4_1 / Q8_0 runs from those blocks. The
+    loader keeps them beside the dequantized weights (specpd/model/gguf_loader.py), q/k rows un-permuted as whole
+    rows; qkv_proj / gate_up_proj stack the q, k, v (gate, up) rows, so a fused linear is its parts' blocks
+    stacked when they share a format. Anything else (F16 / F32 / K-quant tensors, parts of two formats, K not a
+    multiple of 32) stays dense: the dtype's path, exact.
+  - int8 / int4: the dense linears quantized with llama.cpp's reference quantizer into Q8_0 / Q4_1 blocks (any
+    checkpoint, any dtype). The LM head is Q8_0 in both: re-quantizing it to 4 bits is the one lossy step that
+    shows (greedy SmolLM2 drifted from dense several times sooner with an int4 head than with an int8 one, at
+    about the same speed). Re-quantizing the default GGUF's dequantized weights gives back its blocks bit for bit
+    (tests/model/test_quant.py), so int4 on it equals gguf.
+  - none: dequantized dense weights.
+  - auto (the default): gguf for a GGUF with such tensors on a CPU where the kernel runs, at tp_size 1, on a
+    packed (serving) model; none otherwise. SPECPD_AUTO_QUANTIZATION=none pins it to none (the test suite does:
+    its references are dense fp32 HF outputs).
+The activations are quantized per 32-block to int8 inside the kernel (llama.cpp's scheme), so greedy output is
+not bit-identical to the dequantized fp32 engine's: tests/model/test_quant_engine.py bounds the token agreement
+and evals/quant_e2e.py measures it. Speculation stays lossless: the kernel is batch invariant.
+The embedding lookup keeps the dense table (the dtype's), so drafts that borrow it see the same values.
+Tensor parallelism: int8 / int4 quantize each rank's shard, TP 1's blocks sliced (32-weight blocks never straddle
+a shard whose width is a multiple of 32: tp.check_quantization); gguf is TP 1 only.
 """
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpd.config import EngineConfig
+from specpd.kernels import cpu_gemm_q
+from specpd.kernels.cpu_linear import QuantLinear
 
-QUANT_METHODS = ("none", "int4", "int8")
-HEAD_METHOD = "int8"  # the LM head's format whatever the method (see the module docstring)
-INT4_GROUP = 32
-INT4_ROWS = 16  # the CPU int4 packing needs out_features % 16 == 0
-DENSE_ROWS = 128  # inputs with this many rows take the dequantize + fp32 GEMM path (QuantLinear)
+logger = logging.getLogger(__name__)
+
+QUANT_METHODS = ("auto", "none", "gguf", "int4", "int8")
+DENSE_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}  # what int8 / int4 quantize the dense linears into
+HEAD_FORMAT = "Q8_0"  # the LM head's format for int8 / int4 (module docstring)
+INT4_GROUP = cpu_gemm_q.BLOCK  # weights per block along the input dim (tp.check_quantization)
+INT4_ROWS = 1  # the kernel takes any number of output rows
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A weight in GGUF blocks: `blocks` [N, K / 32 * block bytes] uint8, row n the blocks of output row n."""
+
+    fmt: str  # "Q4_0" | "Q4_1" | "Q8_0"
+    blocks: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] fp32 weight (what the GGUF's dequantizer gives)."""
+        return cpu_gemm_q.dequantize(self.fmt, self.blocks, self.in_features)
 
 
 def check_config(config: EngineConfig) -> None:
     if config.quantization not in QUANT_METHODS:
         raise ValueError(f"quantization must be one of {QUANT_METHODS}, got {config.quantization!r}")
-    if config.quantization == "none":
+    if config.quantization in ("auto", "none"):
         return
-    if config.dtype != "bfloat16":
-        raise ValueError(f"quantization={config.quantization!r} needs dtype='bfloat16', got dtype={config.dtype!r}: "
-                         "torch's CPU int4/int8 weight-only kernels are only fast with bf16 activations")
     if torch.device(config.device).type != "cpu":
         raise ValueError(f"quantization={config.quantization!r} is implemented for device='cpu' only, "
                          f"got device={config.device!r}")
+    if config.quantization == "gguf" and config.tp_size != 1:
+        raise ValueError(f"quantization='gguf' serves the file's blocks at tp_size 1 only, got tp_size="
+                         f"{config.tp_size} (int8 / int4 quantize each rank's shard)")
 
 
-# -- int4 ----------------------------------------------------------------------------------------
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (codes [N, K] uint8 in 0..15, scale [N, K // group], low [N, K // group]),
-    all in fp32 math, with weight ~= codes * scale + low (exact for Q4_1-dequantized weights)."""
-    n, k = weight.shape
-    if k % group:
-        raise ValueError(f"int4 needs in_features divisible by {group}, got {k}")
-    w = weight.detach().float().view(n, k // group, group)
-    low, high = w.amin(-1), w.amax(-1)  # [N, G]
-    scale = (high - low) / 15
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # a constant group: every code 0
-    codes = ((w - low.unsqueeze(-1)) * inv.unsqueeze(-1)).round_().clamp_(0, 15)
-    return codes.to(torch.uint8).view(n, k), scale, low
+def resolve(config: EngineConfig, blocks: dict[str, QuantBlocks], pack: bool = True) -> str:
+    """The method `config.quantization` means for this checkpoint (`blocks`: its GGUF blocks) and machine."""
+    check_config(config)
+    method = config.quantization
+    if method == "gguf" and not blocks:
+        raise ValueError(f"quantization='gguf' needs a GGUF checkpoint holding Q4_0 / Q4_1 / Q8_0 tensors; "
+                         f"{config.model!r} has none")
+    if method != "auto":
+        return method
+    if os.environ.get("SPECPD_AUTO_QUANTIZATION") == "none":
+        return "none"
+    usable = any(cpu_gemm_q.usable(b.fmt, b.in_features) for b in blocks.values())
+    cpu = torch.device(config.device).type == "cpu"
+    return "gguf" if usable and cpu and pack and config.tp_size == 1 else "none"
 
 
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The pure-torch reference of what quantize_int4 stores: [N, K] fp32."""
-    n, k = codes.shape
-    groups = codes.view(n, scale.shape[1], -1).float()
-    return (groups * scale.unsqueeze(-1) + low.unsqueeze(-1)).view(n, k)
+def _fused_blocks(parts: list[QuantBlocks | None]) -> QuantBlocks | None:
+    """A fused linear's blocks: its parts' rows stacked, where every part has blocks of one format."""
+    if any(p is None for p in parts) or len({(p.fmt, p.in_features) for p in parts}) != 1:
+        return None
+    return QuantBlocks(parts[0].fmt, torch.cat([p.blocks for p in parts]), parts[0].in_features)
 
 
-class QuantLinear(nn.Module):
-    """A bias-optional linear layer over quantized weights. Rows of x up to DENSE_ROWS (decode,
-    verify, small chunks) go through torch's weight-only kernel; longer inputs (prefill chunks)
-    dequantize the weights to fp32 once per call and use the dense fp32 GEMM, which beats the int4/int8
-    kernels there (2x slower than fp32 at 512 rows on one core) while the dequantization costs little
-    next to the GEMM. Both paths use the same weight values."""
+def layer_blocks(blocks: dict[str, QuantBlocks], layer: int) -> dict[str, QuantBlocks | None]:
+    """A decoder layer's fused linears ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") as GGUF blocks (None
+    where the file's tensors do not make one)."""
+    at = f"model.layers.{layer}"
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, act_dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = out_features, in_features
-        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype).clone())
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] contiguous, the activation dtype -> [M, N]."""
-        raise NotImplementedError
-
-    def dequantized(self) -> torch.Tensor:
-        """The weights the kernel multiplies by, [N, K] fp32."""
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).contiguous()  # [M, K]
-        if x2.shape[0] >= DENSE_ROWS:
-            y = F.linear(x2.float(), self.dequantized()).to(x.dtype)
-        else:
-            y = self.kernel(x2)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def part(name: str) -> QuantBlocks | None:
+        return blocks.get(f"{at}.{name}.weight")
+    return {"qkv_proj": _fused_blocks([part(f"self_attn.{p}_proj") for p in "qkv"]),
+            "o_proj": part("self_attn.o_proj"),
+            "gate_up_proj": _fused_blocks([part("mlp.gate_proj"), part("mlp.up_proj")]),
+            "down_proj": part("mlp.down_proj")}
 
 
-class Int4Linear(QuantLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16):
-        super().__init__(*weight.shape, bias, act_dtype)
-        if self.out_features % INT4_ROWS:
-            raise ValueError(f"int4 needs out_features divisible by {INT4_ROWS}, got {self.out_features}")
-        codes, scale, low = quantize_int4(weight)
-        # the kernel's zero is the value of code 8: w = (q - 8) * scale + zero
-        scale_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1)  # [G, N, 2]
-        self.register_buffer("scale_zeros", scale_zeros.to(act_dtype).contiguous())
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
-        # the same codes two per byte (low nibble: even k) for the dense path: the kernel's packing is
-        # an internal, blocked layout
-        self.register_buffer("nibbles", codes[:, 0::2] | (codes[:, 1::2] << 4))  # [N, K / 2] uint8
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zeros)
-
-    def dequantized(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
-        w = torch.empty(n, k // 2, 2)  # unpacked straight into fp32 and scaled in place: 3x faster than stack()
-        w[..., 0], w[..., 1] = self.nibbles & 15, self.nibbles >> 4
-        scale, zero = self.scale_zeros.float().transpose(0, 1).unbind(-1)  # [N, G] each
-        low = (zero - 8 * scale).unsqueeze(-1)  # the value of code 0
-        return w.view(n, k // INT4_GROUP, INT4_GROUP).mul_(scale.unsqueeze(-1)).add_(low).view(n, k)
+def quantize_dense(fmt: str, weight: torch.Tensor) -> QuantBlocks | None:
+    """A dense [N, K] weight in `fmt`'s blocks, or None where K is not a multiple of 32."""
+    if weight.shape[1] % cpu_gemm_q.BLOCK:
+        return None
+    return QuantBlocks(fmt, cpu_gemm_q.quantize(fmt, weight), weight.shape[1])
 
 
-# -- int8 ----------------------------------------------------------------------------------------
 def int8_scale(weight: torch.Tensor) -> torch.Tensor:
-    """Each output row's int8 scale [N] fp32: its absmax over every input column / 127."""
+    """Per-row absmax / 127 (tp.row_parallel_scales computes them for int8; Q8_0 blocks do not use them)."""
     return weight.detach().float().abs().amax(-1) / 127
 
 
-def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (codes [N, K] int8 in -127..127, scale [N] fp32), weight ~= codes * scale[:, None].
-    `scale`: the rows' scales when they were taken over more columns than `weight` holds (a tensor-parallel
-    shard of a row-parallel layer, specpd/model/tp.py), so its codes are the whole row's."""
-    w = weight.detach().float()
-    scale = int8_scale(w) if scale is None else scale
-    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    return (w * inv.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8), scale
-
-
-class Int8Linear(QuantLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16,
-                 scale: torch.Tensor | None = None):
-        super().__init__(*weight.shape, bias, act_dtype)
-        codes, scale = quantize_int8(weight, scale)
-        self.register_buffer("codes", codes)  # [N, K] int8
-        self.register_buffer("scale", scale.to(act_dtype))  # [N]
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.codes, self.scale)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.float().unsqueeze(1)
-
-
-_LINEARS = {"int4": Int4Linear, "int8": Int8Linear}
-
-
-def quantize_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None) -> QuantLinear:
-    """`scale`: int8 only, the rows' scales taken over the whole row (quantize_int8)."""
-    if scale is None:
-        return _LINEARS[method](weight, bias)
-    if method != "int8":
-        raise ValueError(f"a given row scale is int8's, not {method!r}'s")
-    return Int8Linear(weight, bias, scale=scale)
+@torch.no_grad()
+def serve_blocks(model: nn.Module, blocks: dict[str, QuantBlocks], weights: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, int], set[str]]:
+    """gguf: every linear (and the LM head) the GGUF's blocks make into a QuantLinear, in place, before the model
+    loads its dense weights; returns (weights per format, the HF names the blocks took: the dense copies of those
+    are never loaded). A linear's bias comes from `weights` (q/k/v's stacked as qkv_proj's)."""
+    counts: dict[str, int] = {}
+    taken: set[str] = set()
+    parts = {"qkv_proj": [f"self_attn.{p}_proj" for p in "qkv"], "o_proj": ["self_attn.o_proj"],
+             "gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"], "down_proj": ["mlp.down_proj"]}
+    for i, layer in enumerate(model.layers):
+        for name, qb in layer_blocks(blocks, i).items():
+            _count(counts, qb)
+            if qb is None:
+                continue
+            names = [f"model.layers.{i}.{p}" for p in parts[name]]
+            biases = [weights.get(f"{n}.bias") for n in names]
+            bias = None if biases[0] is None else torch.cat(biases).float()
+            parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+            setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, bias))
+            taken |= {f"{n}.{kind}" for n in names for kind in ("weight", "bias")}
+    head = blocks.get("model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight")
+    _count(counts, head)
+    if head is not None:
+        model.quantized_head = QuantLinear(head.fmt, head.blocks, head.in_features, None)
+    _log_dense("gguf", counts)
+    return counts, taken
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, row_scales: list[dict[str, torch.Tensor]] | None = None) -> None:
-    """Swap the decoder's projections for quantized ones and give the model an int8 LM head.
-
-    Done once at load time, before the first forward. The full-precision head weight stays in place
-    (`lm_head_weight`: the embedding when tied) for drafts that borrow it; only the target's own
-    `compute_logits` uses the quantized copy. `row_scales[i]`: int8 scales of layer i's "o_proj" / "down_proj"
-    taken over their whole rows, for a tensor-parallel shard that holds some of the columns."""
-    if method == "none":
-        return
-    for i, layer in enumerate(model.layers):
+def quantize_model(model: nn.Module, method: str, row_scales=None) -> dict[str, int]:
+    """int8 / int4: swap the decoder's linears (and the LM head) for QuantLinear over the dense weights quantized
+    into DENSE_FORMATS[method]'s blocks (the head HEAD_FORMAT's); returns how many weights each format took
+    (the dense ones under "dense"). Done once at load, after the model loaded its weights, before the dtype cast:
+    from the checkpoint's precision. The dense head weight stays (`lm_head_weight`: the embedding when tied) for
+    drafts that borrow it; only the target's own `compute_logits` uses the quantized copy. `row_scales`: unused
+    (Q8_0 blocks need no whole-row scales)."""
+    del row_scales
+    counts: dict[str, int] = {}
+    if method not in DENSE_FORMATS:
+        return counts
+    for layer in model.layers:
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
             linear: nn.Linear = getattr(parent, name)
-            scale = row_scales[i].get(name) if row_scales else None
-            setattr(parent, name, quantize_linear(method, linear.weight, linear.bias, scale))
-    model.quantized_head = quantize_linear(HEAD_METHOD, model.lm_head_weight)
+            qb = quantize_dense(DENSE_FORMATS[method], linear.weight)
+            _count(counts, qb)
+            if qb is not None:
+                setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, linear.bias))
+    head = quantize_dense(HEAD_FORMAT, model.lm_head_weight)
+    _count(counts, head)
+    if head is not None:
+        model.quantized_head = QuantLinear(head.fmt, head.blocks, head.in_features, None)
+    _log_dense(method, counts)
+    return counts
+
+
+def _log_dense(method: str, counts: dict[str, int]) -> None:
+    if counts.get("dense"):
+        logger.info("quantization %s: %d of %d linears stay dense (no blocks the kernel takes)", method,
+                    counts["dense"], sum(counts.values()))
+
+
+def _count(counts: dict[str, int], qb: QuantBlocks | None) -> None:
+    key = "dense" if qb is None or not cpu_gemm_q.usable(qb.fmt, qb.in_features) else qb.fmt
+    counts[key] = counts.get(key, 0) + 1

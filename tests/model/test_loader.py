@@ -231,18 +231,18 @@ def test_hf_dir_round_trip(tmp_path, kind, tie):
 
 # ---- GGUF files written from tiny HF models ----------------------------------
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_gguf_round_trip(tmp_path, kind, monkeypatch):
-    """Write a tiny model the way llama.cpp's converter does (llama: q/k rows
-    permuted; qwen: not) and read it back to the HF weights: from the GGUF, then from
-    the converted copy the first load left (specpd.model.gguf_cache), then from the GGUF
-    again once that copy is damaged."""
-    monkeypatch.setenv("SPECPD_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    model = _tiny(kind, tie=(kind == "qwen2"))
+_HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _write_gguf(model, kind: str, path: str, head_dim: int, formats=None) -> None:
+    """A tiny model written the way llama.cpp's converter does (llama: q/k rows permuted; qwen: not); formats:
+    HF name -> a GGML quantization type for the matrices to store quantized (the rest fp32)."""
     cfg = model.config
-    head_dim = 16 if kind == "qwen3" else cfg.hidden_size // cfg.num_attention_heads
-    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), kind)
+    writer = gguf.GGUFWriter(path, kind)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -254,19 +254,13 @@ def test_gguf_round_trip(tmp_path, kind, monkeypatch):
     writer.add_rope_freq_base(12345.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    hf_to_gguf = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                  "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    state = model.state_dict()
-    for name, tensor in state.items():
+    for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, kind_suffix = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{hf_to_gguf[module]}.{kind_suffix}"
+            gguf_name = f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind_suffix}"
             if kind == "llama" and module == "self_attn.q_proj":
                 tensor = permute_qk(tensor, cfg.num_attention_heads)
             elif kind == "llama" and module == "self_attn.k_proj":
@@ -275,11 +269,31 @@ def test_gguf_round_trip(tmp_path, kind, monkeypatch):
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
                          "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
-        writer.add_tensor(gguf_name, tensor.numpy().astype(np.float32))
+        qtype = (formats or {}).get(name)
+        array = tensor.numpy().astype(np.float32)
+        if qtype is None:
+            writer.add_tensor(gguf_name, array)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_gguf_round_trip(tmp_path, kind, monkeypatch):
+    """Write a tiny model the way llama.cpp's converter does (llama: q/k rows
+    permuted; qwen: not) and read it back to the HF weights: from the GGUF, then from
+    the converted copy the first load left (specpd.model.gguf_cache), then from the GGUF
+    again once that copy is damaged."""
+    monkeypatch.setenv("SPECPD_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = _tiny(kind, tie=(kind == "qwen2"))
+    cfg = model.config
+    head_dim = 16 if kind == "qwen3" else cfg.hidden_size // cfg.num_attention_heads
+    _write_gguf(model, kind, str(tmp_path / "tiny.gguf"), head_dim)
+    state = model.state_dict()
 
     path = str(tmp_path / "tiny.gguf")
     expected = {k: v for k, v in state.items()
@@ -300,6 +314,33 @@ def test_gguf_round_trip(tmp_path, kind, monkeypatch):
         assert got["attention_bias"] == (kind == "qwen2")
         assert got["tie_word_embeddings"] == cfg.tie_word_embeddings
         assert got["rope_theta"] == 12345.0 and ckpt.tokenizer is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_gguf_blocks_round_trip(tmp_path, kind, monkeypatch):
+    """A GGUF holding Q4_0 / Q4_1 / Q8_0 matrices (llama: q/k rows permuted): the checkpoint keeps each one's
+    blocks, un-permuted as whole rows, equal to quantizing the HF weight (blocks are per row), dequantizing to the
+    loaded weight; the same from the converted copy; fp32 tensors keep no blocks."""
+    monkeypatch.setenv("SPECPD_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = _tiny(kind, tie=(kind == "qwen2"))
+    cfg = model.config
+    Q = gguf.GGMLQuantizationType
+    cycle = [Q.Q4_1, Q.Q4_0, Q.Q8_0]
+    formats = {n: cycle[i % 3] for i, (n, t) in enumerate(model.state_dict().items())
+               if t.dim() == 2 and t.shape[1] % 32 == 0 and not n.startswith("lm_head")}
+    assert any("q_proj" in n for n in formats) and any("k_proj" in n for n in formats)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(model, kind, path, cfg.hidden_size // cfg.num_attention_heads, formats)
+    state = model.state_dict()
+    for source in ("gguf", "converted copy"):
+        ckpt = load_checkpoint(path)
+        assert set(ckpt.blocks) == set(formats), source
+        for name, qtype in formats.items():
+            qb = ckpt.blocks[name]
+            want = gguf.quants.quantize(state[name].numpy().astype(np.float32), qtype)
+            assert qb.fmt == qtype.name and np.array_equal(qb.blocks.numpy(), want), (source, name)
+            assert torch.equal(qb.dequantize(), ckpt.weights[name]), (source, name)
 
 
 def test_tokenizer_state_rebuilds_the_same_tokenizer(smollm):

@@ -76,10 +76,10 @@ def test_tp_logits_and_greedy_equal_tp1(tmp_path, arch, tp, overrides):
 
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_tp3_holds_tp1s_codes_and_computes_as_tp1(method):
-    """Each rank's quantized weights are TP 1's, sliced (exact): int4's groups of 32 columns never straddle a
-    shard, int8's row-parallel shards take their whole rows' scales. TP 3's bf16 logits stay as close to TP 1's
-    as dense bf16 TP 3's do (measured: dense mean |diff| 0.17, max 1.5 over these rows; int4 0.17 and 1.4: the
-    partial sums' all-reduce rounds otherwise than one GEMM, layer after layer); a wrong shard is off by whole
+    """Each rank's quantized weights are TP 1's, sliced (exact): int4's Q4_1 and int8's Q8_0 blocks of 32 columns
+    never straddle a shard. TP 3's bf16 logits stay near TP 1's (measured: dense mean |diff| 0.17, max 1.5 over
+    these rows; int4 0.31 and 2.4, int8 0.39 and 2.5: the partial sums' all-reduce rounds otherwise than one GEMM,
+    layer after layer, and the next layer's int8 activation codes amplify it); a wrong shard is off by whole
     logits. Every page comes back."""
     checkpoint = load_checkpoint("default")
     tok = checkpoint.tokenizer
@@ -98,7 +98,7 @@ def test_quantized_tp3_holds_tp1s_codes_and_computes_as_tp1(method):
                 [want[:192], want[576:640], want[768:832]])
             assert torch.equal(part.dequantized(), want), name
         diff = (all_logits(engine, prompts, seed=2) - all_logits(one, prompts, seed=1)).abs()
-        assert diff.mean().item() < 0.3 and diff.max().item() < 3.0
+        assert diff.mean().item() < 0.6 and diff.max().item() < 4.0
         engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
         assert engine.free_pages == 32
     finally:

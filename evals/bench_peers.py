@@ -51,6 +51,7 @@ from peers_report import (C1_REQUESTS, MIN_REQUESTS, estimate_s, lscpu, pairs, p
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 CONFIGS, DTYPES, ENGINES = ("plain", "eagle3", "ngram"), ("bf16", "fp32"), ("specpd", "vllm", "llamacpp")
 WORKLOADS = ("chat", "grounded", "code")
+DEFAULT_SHORT = {"bfloat16": "bf16", "float32": "fp32"}  # specpd's resolved --dtype auto -> its server cell
 SINGLE_LIFECYCLE = ("one server at a time, started afresh for every rep and stopped (process group killed) after its "
                     "cells. Idle servers cost little CPU (idle_cpu_share: specpd and llama.cpp 0, vLLM ~0.01 of a core "
                     "once settled, ~0.33 for the ~1 s after a request), but 14 servers at once (vLLM: 2 GiB KV each) "
@@ -202,8 +203,10 @@ def main() -> int:
               "prompts_shared_across_reps": shared,
               "skipped": skipped, "servers": servers, **meta}
     for rep in range(args.reps if args.paired else 0):
-        for dtype in dict.fromkeys(s.dtype for s in specs):  # a dtype's servers together (llama.cpp's q4_1 apart)
-            group = [s for s in specs if s.dtype == dtype]
+        # a dtype's servers together; llama.cpp's q4_1 beside specpd's default dtype (what both serve by default)
+        home = {s.name: DEFAULT_SHORT.get(default_dtype, s.dtype) if s.dtype == "q4_1" else s.dtype for s in specs}
+        for dtype in dict.fromkeys(home.values()):
+            group = [s for s in specs if home[s.name] == dtype]
             try:
                 for name, entry in paired_rep(group, cells, plan, rep, parity, args).items():
                     servers[name]["reps"].append(entry)
@@ -224,7 +227,8 @@ def main() -> int:
             write_json(out, report)
     report["cells"] = {name: {key: summarize_cell([r["cells"][key] for r in s["reps"] if key in r.get("cells", {})])
                               for key in (f"{w}/c{c}" for w, c in cells)} for name, s in servers.items()}
-    report["pairs"] = pairs(servers, [f"{w}/c{c}" for w, c in cells])
+    report["pairs"] = pairs(servers, [f"{w}/c{c}" for w, c in cells],
+                            q4_1_ref=f"specpd/plain/{DEFAULT_SHORT.get(default_dtype, 'fp32')}")
     report["parity"] = parity_report(servers, len(parity), PARITY_TOKENS)
     report["bench_wall_s"] = time.perf_counter() - t_start
     full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),

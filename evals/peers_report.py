@@ -62,12 +62,14 @@ def summarize_cell(reps: list[dict]) -> dict:
     return out
 
 
-def pairs(servers: dict, keys: list[str]) -> dict:
-    """Each server against specpd plain at its dtype, rep by rep (rep r of both: with --paired, the same cell run
-    back to back): tok/s over plain's and plain's TPOT p50 over its own (> 1: faster), median and min-max."""
+def pairs(servers: dict, keys: list[str], q4_1_ref: str | None = None) -> dict:
+    """Each server against specpd plain at its dtype (llama.cpp's q4_1: `q4_1_ref`, specpd plain at its default),
+    rep by rep (rep r of both: with --paired, the same cell run back to back): tok/s over plain's and plain's TPOT
+    p50 over its own (> 1: faster), median and min-max."""
     out = {}
     for name, server in servers.items():
-        ref = servers.get(f"specpd/plain/{name.rsplit('/', 1)[1]}")
+        dtype = name.rsplit('/', 1)[1]
+        ref = servers.get(q4_1_ref if dtype == "q4_1" and q4_1_ref else f"specpd/plain/{dtype}")
         if ref is None or name.startswith("specpd/plain/"):
             continue
         row = {}

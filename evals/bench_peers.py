@@ -106,25 +106,45 @@ def server_specs(args, default_dtype: str, skipped: list[dict]) -> list[peers.Se
     order are the cells compared; what cannot run goes to `skipped` with the reason."""
     from specpd.model.default import ensure_default_model
     specs, model_dir = [], None
+    model = "default"
+    if args.model_shape != "default":
+        model = model_dir = peers.random_hf_dir(args.model_shape)
     for dtype in args.dtypes:
+        for quantization in args.quantizations if "specpd" in args.engines else ():
+            specs.append(peers.specpd_spec("plain", dtype, default_dtype, model, quantization))
         for config in args.configs:
             for engine in args.engines:
                 name = f"{engine}/{config}/{'q4_1' if engine == 'llamacpp' else dtype}"
                 if args.servers and not any(fnmatch.fnmatch(name, pat) for pat in args.servers):
                     continue
                 why = peers.peer_unavailable(engine) or peers.unsupported(engine, config, name.rsplit("/", 1)[1])
+                if engine == "llamacpp" and args.model_shape != "default":
+                    why = "llama.cpp reads a GGUF: none is made of the random shapes"
                 if why:
                     if not any(s["server"] == name for s in skipped):
                         skipped.append({"server": name, "reason": why})
                     continue
                 if engine == "specpd":
-                    specs.append(peers.specpd_spec(config, dtype, default_dtype))
+                    specs.append(peers.specpd_spec(config, dtype, default_dtype, model))
                 elif engine == "vllm":
                     model_dir = model_dir or peers.hf_dir()
                     specs.append(peers.vllm_spec(config, dtype, model_dir, max(args.concurrency)))
                 elif not any(s.name == name for s in specs):  # llama.cpp: one q4_1 server per config
                     specs.append(peers.llamacpp_spec(config, ensure_default_model(), max(args.concurrency)))
     return specs
+
+
+def fp32_floor(report: dict) -> dict:
+    """A c1 decode step's floor for the fp32 servers: their weights' bytes over the read bandwidth measured beside
+    them (the median of every before / after probe), and each fp32 server's c1 TPOT p50 over it."""
+    import statistics
+    rates = [b[k] for b in report["read_bandwidth"] for k in ("before_gb_s", "after_gb_s") if k in b]
+    floor_ms = report["weight_bytes_fp32"] / (statistics.median(rates) * 1e9) * 1e3
+    over = {name: {key: c["tpot_p50_ms"] / floor_ms for key, c in cells.items()
+                   if key.endswith("/c1") and c.get("tpot_p50_ms")}
+            for name, cells in report["cells"].items() if name.endswith("/fp32") and "-int" not in name}
+    return {"read_gb_s_median": statistics.median(rates), "read_gb_s_range": [min(rates), max(rates)],
+            "floor_ms": floor_ms, "c1_tpot_p50_over_floor": over}
 
 
 def specpd_default_dtype() -> tuple[str, dict]:
@@ -170,7 +190,14 @@ def main() -> int:
     ap.add_argument("--paired", action="store_true",
                     help="every server of a dtype up at once for a rep, each cell run on all of them back to back "
                          "(what a ratio to specpd plain wants on a noisy box; paired_rep)")
-    ap.add_argument("--out", default=None, help="default: evals/results/peers.json ($TMPDIR for --quick)")
+    ap.add_argument("--model-shape", default="default", choices=("default", *peers.SHAPES),
+                    help="the default model, or a shape with random weights on its tokenizer (llama-1b: "
+                         "Llama-3.2-1B's width and depth; llama.cpp skipped), timed against the memory-read floor "
+                         "of its fp32 weights, the read bandwidth measured before and after each paired group")
+    ap.add_argument("--quantizations", type=csv, default=[],
+                    help="specpd plain servers with these --quantization values besides the default (e.g. int8,int4)")
+    ap.add_argument("--out", default=None, help="default: evals/results/peers.json (peers_<shape>.json for "
+                                                "--model-shape; $TMPDIR for --quick)")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.concurrency, args.workloads, args.requests, args.max_tokens = 1, [1], ["chat"], 4, 32
@@ -180,7 +207,8 @@ def main() -> int:
             raise SystemExit(f"unknown {sorted(set(got) - set(allowed))}: choose from {allowed}")
     import tempfile
     out = args.out or (os.path.join(tempfile.gettempdir(), "peers_quick.json") if args.quick
-                       else os.path.join(RESULTS_DIR, "peers.json"))
+                       else os.path.join(RESULTS_DIR, "peers.json" if args.model_shape == "default"
+                                         else f"peers_{args.model_shape}.json"))
     t_start = time.perf_counter()
     meta = {"versions": {**versions(), "peers": peer_versions()}, "machine": {**machine_info(), **lscpu()}}
     skipped: list[dict] = []
@@ -202,14 +230,24 @@ def main() -> int:
               "prompt_tokens": {w: [len(p) for k, ps in plan.items() if k[0] == w for p in ps] for w in args.workloads},
               "prompts_shared_across_reps": shared,
               "skipped": skipped, "servers": servers, **meta}
+    probe = None
+    if args.model_shape != "default":
+        from profile_step import ReadProbe
+        from specpd.machine import default_threads
+        probe = ReadProbe(default_threads())
+        report["read_bandwidth"] = []
+        report["weight_bytes_fp32"] = peers.weight_bytes(peers.random_hf_dir(args.model_shape))
     for rep in range(args.reps if args.paired else 0):
         # a dtype's servers together; llama.cpp's q4_1 beside specpd's default dtype (what both serve by default)
         home = {s.name: DEFAULT_SHORT.get(default_dtype, s.dtype) if s.dtype == "q4_1" else s.dtype for s in specs}
         for dtype in dict.fromkeys(home.values()):
             group = [s for s in specs if home[s.name] == dtype]
+            bandwidth = {"rep": rep, "dtype": dtype, "before_gb_s": probe.median() / 1e9} if probe else None
             try:
                 for name, entry in paired_rep(group, cells, plan, rep, parity, args).items():
                     servers[name]["reps"].append(entry)
+                if probe:
+                    report["read_bandwidth"].append({**bandwidth, "after_gb_s": probe.median() / 1e9})
             except peers.ServerFailed as e:
                 log(f"   FAILED: {str(e)[-1500:]}")
                 for s in group:
@@ -230,6 +268,8 @@ def main() -> int:
     report["pairs"] = pairs(servers, [f"{w}/c{c}" for w, c in cells],
                             q4_1_ref=f"specpd/plain/{DEFAULT_SHORT.get(default_dtype, 'fp32')}")
     report["parity"] = parity_report(servers, len(parity), PARITY_TOKENS)
+    if report.get("read_bandwidth"):
+        report["floor"] = fp32_floor(report)
     report["bench_wall_s"] = time.perf_counter() - t_start
     full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),
                                  "requests": None, "max_tokens": 96, "engines": list(ENGINES), "servers": [],

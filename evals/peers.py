@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,63 @@ def hf_dir() -> str:
     return where
 
 
+# Model shapes beside the default model: random weights (a step's speed does not depend on their values) on
+# SmolLM2's tokenizer, so every engine reads the same prompt tokens
+SHAPES = {"llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,  # Llama-3.2-1B
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
+                       "tie_word_embeddings": True, "rope_scaling": None}}
+
+
+def random_hf_dir(shape: str) -> str:
+    """hf_dir()'s tokenizer files with `shape`'s config and random fp32 weights (seed 0, std 0.02, norms 1), under
+    $SPECPD_CACHE/peers/; made once."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specpd.model.default import cache_root
+    where = os.path.join(cache_root(), "peers", f"random-{shape}-hf{HF_DIR_FORMAT}")
+    if os.path.isfile(os.path.join(where, "model.safetensors")):
+        return where
+    base = hf_dir()
+    with open(os.path.join(base, "config.json")) as f:
+        config = {**json.load(f), **SHAPES[shape]}
+    h, inter, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen) * 0.02
+    weights = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "model.norm.weight": torch.ones(h)}
+    for i in range(config["num_hidden_layers"]):
+        at = f"model.layers.{i}"
+        weights.update({f"{at}.input_layernorm.weight": torch.ones(h), f"{at}.post_attention_layernorm.weight":
+                        torch.ones(h), f"{at}.self_attn.q_proj.weight": rand(config["num_attention_heads"] *
+                        config["head_dim"], h), f"{at}.self_attn.k_proj.weight": rand(kv, h),
+                        f"{at}.self_attn.v_proj.weight": rand(kv, h), f"{at}.self_attn.o_proj.weight": rand(h, h),
+                        f"{at}.mlp.gate_proj.weight": rand(inter, h), f"{at}.mlp.up_proj.weight": rand(inter, h),
+                        f"{at}.mlp.down_proj.weight": rand(h, inter)})
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(where), prefix=".hf-")
+    os.chmod(tmp, 0o755)
+    for name in os.listdir(base):
+        if name not in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(base, name), tmp)
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    save_file(weights, os.path.join(tmp, "model.safetensors"))
+    del weights
+    os.rename(tmp, where)
+    return where
+
+
+def weight_bytes(model_dir: str) -> int:
+    """Bytes one decode step reads at fp32: every decoder linear and the LM head (the embedding rows are few)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    q = c["num_attention_heads"] * c.get("head_dim", h // c["num_attention_heads"])
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
+    return 4 * (c["num_hidden_layers"] * per_layer + c["vocab_size"] * h)
+
+
 # -- what runs ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ServerSpec:
@@ -110,10 +168,14 @@ def peer_unavailable(engine: str) -> str | None:
     return "not installed: run `make peers`"
 
 
-def specpd_spec(config: str, dtype: str, default_dtype: str) -> ServerSpec:
+def specpd_spec(config: str, dtype: str, default_dtype: str, model: str = "default",
+                quantization: str | None = None) -> ServerSpec:
+    """`quantization`: a --quantization flag beside the user's default (the server's config reads e.g. plain-int8)."""
     dtype_args = [] if DTYPES[dtype] == default_dtype else ["--dtype", DTYPES[dtype]]
-    return ServerSpec("specpd", config, dtype, (sys.executable, "-m", "specpd", "serve", "--model", "default",
-                                                *SPECPD_SPEC[config], *dtype_args))
+    quant_args = ["--quantization", quantization] if quantization else []
+    return ServerSpec("specpd", config + (f"-{quantization}" if quantization else ""), dtype,
+                      (sys.executable, "-m", "specpd", "serve", "--model", model, *SPECPD_SPEC[config], *dtype_args,
+                       *quant_args))
 
 
 def vllm_spec(config: str, dtype: str, model_dir: str, max_num_seqs: int) -> ServerSpec:

@@ -1,7 +1,7 @@
 """What this machine offers the engine: usable cores, the CPU's native number formats, and the defaults they
 imply (threads, dtype). Plain Python (no torch), so the launcher can split cores between its children.
 
-The defaults are the best measured configuration on the machine a server starts on (DESIGN.md §4, §7):
+The defaults are the best measured configuration on the machine a server starts on (docs/architecture.md §6):
   - threads: OMP_NUM_THREADS where it is set (torch and vLLM's CPU build read it too), else every core this
     process may run on (its affinity mask); a `--disagg` cluster splits the cores between its prefill and
     decode servers (`split_cores`) and gives each child its share as --num-threads;

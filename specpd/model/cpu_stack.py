@@ -2,7 +2,7 @@
 Python.
 
 The per-layer Python path makes ~10 calls into C per layer (norms, four GEMMs, attention, SiLU x up), each a
-ctypes call with its argument conversion and a tensor allocation: ~0.1 ms a layer, a quarter of a 30-layer
+ctypes call with its argument conversion and a tensor allocation: a sizeable share of a small model's
 decode step once the GEMMs stream at the memory bandwidth. `Stack.run` makes one call for the whole stack,
 through the same kernels in the same order (its output equals the Python path's bit for bit:
 tests/model/test_cpu_stack.py), and releases the GIL for all of it.

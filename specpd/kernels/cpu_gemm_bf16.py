@@ -63,7 +63,8 @@ ANY_WIDTH = 1 << 62
 def max_rows() -> int:
     """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it keeps up with or beats
     oneDNN's AVX512-BF16 path from 1 to 512 rows, and on AMX its tile path streams the weight for 1..16 rows at
-    the cost of one and stays level with oneDNN above (evals/results/gemm.json): every GEMM (ANY_WIDTH), so bf16 is batch invariant at any width, prefill chunks beside decode
+    the cost of one and stays level with oneDNN above (evals/results/gemm.json): every GEMM (ANY_WIDTH), so bf16
+    is batch invariant at any width, prefill chunks beside decode
     rows included. On AMX with the tile path off (SPECPD_GEMM_AMX=0, or Linux refused the tile state) its
     vdpbf16ps cost grows with the rows while oneDNN's tiles compute 17..32 rows for what 16 cost: 16 there."""
     return 16 if isa() == "amx" and not _lib().amx else ANY_WIDTH

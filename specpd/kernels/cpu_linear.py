@@ -177,7 +177,8 @@ def pack_linears(module: nn.Module) -> int:
 def weights_on_huge_pages(module: nn.Module) -> int:
     """Move the memory under `module`'s CPU tensors (parameters, buffers, prepacked weights) onto transparent huge
     pages (specpd.machine.collapse_huge_pages), once they are final. Every step streams them whole, and on 4 KB
-    pages that is a TLB miss per 4 KB, which a b1 decode step pays (profile_step.json). Returns the bytes collapsed (0 where the kernel has no MADV_COLLAPSE)."""
+    pages that is a TLB miss per 4 KB, which a b1 decode step pays (profile_step.json). Returns the bytes
+    collapsed (0 where the kernel has no MADV_COLLAPSE)."""
     spans, seen = [], set()
     for m in module.modules():
         tensors = [*m._parameters.values(), *m._buffers.values(),

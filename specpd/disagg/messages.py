@@ -163,8 +163,7 @@ class KVDestination:
 
 @dataclass
 class HandoffRecord:
-    """P -> D, step 4: the handoff contract (docs/architecture.md §3). y0 (`handoff_token`) has no KV yet: D
-    writes it first."""
+    """P -> D, step 4 (docs/architecture.md §3). y0 (`handoff_token`) has no KV yet: D writes it first."""
 
     room: int
     request_id: str

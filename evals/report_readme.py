@@ -62,11 +62,26 @@ def _keys(*cell_sets: dict) -> tuple[list[str], list[int]]:
 
 
 def _cell(c: dict | None, c_level: int) -> str:
-    """TPOT p50 at c1 (a user's latency), output tok/s above (the box's throughput); median (min–max)."""
+    """TPOT p50 at c1 (a user's latency), output tok/s above (the box's throughput); median (min–max, where the
+    repetitions differ)."""
     field, p = ("tpot_p50_ms", 1) if c_level == 1 else ("output_tok_s", 0)
     if not c or c.get(field) is None:
         return "–"
-    return _f(c[field], p) + _spread(c.get(field + "_spread"), p)
+    spread = c.get(field + "_spread")
+    return _f(c[field], p) + (_spread(spread, p) if spread and _f(spread[0], p) != _f(spread[1], p) else "")
+
+
+def specpd_weights(data: dict) -> str | None:
+    """What specpd's default server ran, from its probe: 'bf16 over the GGUF's Q4_1 / Q8_0 blocks'."""
+    runtime = (data.get("specpd_probe") or {}).get("runtime") or {}
+    dtype = SHORT_DTYPE.get(runtime.get("dtype"), runtime.get("dtype"))
+    formats = runtime.get("weight_formats") or {}
+    if not dtype:
+        return None
+    if runtime.get("quantization") in (None, "none") or not formats:
+        return f"{dtype}, dense weights"
+    blocks = " / ".join(sorted(formats, key=lambda k: -formats[k]))
+    return f"{dtype} activations over the GGUF's {blocks} blocks ({runtime['quantization']})"
 
 
 def _default_dtype(data: dict) -> str:
@@ -136,14 +151,18 @@ def render(data: dict, command: str | None) -> str:
     args = data.get("args") or {}
     paired = "each cell run on every server back to back (`--paired`)" if args.get("paired") else \
         "servers one at a time, in an order rotated rep by rep"
-    head = (f"From `evals/results/peers.json`, model {data.get('model', 'default')}; one OpenAI streaming client, "
-            f"greedy, {args.get('max_tokens', '?')} tokens a request; medians of {args.get('reps', '?')} "
-            f"repetitions (min–max), {paired}. TPOT at c1, output tok/s at higher concurrency. Every other "
-            f"benchmark: [docs/results.md](docs/results.md); how each is run: [docs/benchmarks.md](docs/benchmarks.md).")
+    reps = args.get("reps")
+    reps = "one repetition" if reps == 1 else f"medians of {reps or '?'} repetitions (min–max)"
+    weights = specpd_weights(data)
+    head = (f"From `evals/results/peers.json`, model {data.get('model', 'default')}"
+            f"{f'; specpd by default: {weights}' if weights else ''}; one OpenAI streaming client, greedy, "
+            f"{args.get('max_tokens', '?')} tokens a request; {reps}, {paired}. TPOT at c1, output tok/s at "
+            f"higher concurrency. Every other benchmark: [docs/results.md](docs/results.md); how each is run: "
+            f"[docs/benchmarks.md](docs/benchmarks.md).")
     parts = [head]
     for engine, shown in PEERS:
         parts += [f"### specpd and {shown} ({box(data)})", peer_table(data, engine, shown)]
     parts += [f"### Speculation over specpd's plain decoding ({box(data)})", spec_table(data)]
     if command:
-        parts.append(f"Rerun: `make peers && {command}` (hours on a quiet box).")
+        parts.append(f"Rerun: `make peers && {command}`.")
     return "\n\n".join(parts)

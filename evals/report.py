@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+from evals import report_readme
 from evals.report_tables import (acceptance, attention, bench_mtp_pd, gemm_kernel, gpu, hf_generate, offline, overlap,
                                  pd, pd_load, pd_ttft, peers, peers_spec, prefix, profile_depth0, profile_spec_round,
                                  profile_step, soak, spec_workloads, structured, tp, tp_matrix)
@@ -206,13 +207,8 @@ def render_benchmarks() -> str:
 
 
 def render_readme_summary() -> str:
-    data = load("peers.json")
-    p = provenance(data, os.path.join(RESULTS_DIR, "peers.json"))
-    return (f"specpd against vLLM's CPU build on the same box ({p['machine']}), the same SmolLM2-135M weights "
-            f"and EAGLE-3 head, bf16/fp32, one OpenAI streaming client, greedy; medians of "
-            f"{data.get('args', {}).get('reps', 3)} rotated repetitions "
-            f"(min–max). From `evals/results/peers.json` (commit {p['commit']}); every other benchmark: "
-            f"[docs/results.md](docs/results.md).\n\n{peers(data)}")
+    p = provenance(load("peers.json"), os.path.join(RESULTS_DIR, "peers.json"))
+    return report_readme.render(load("peers.json"), p["command"])
 
 
 def readme_with_summary(readme: str) -> str:

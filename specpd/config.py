@@ -206,23 +206,16 @@ SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "ngram", "replay")
 MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, nothing for P to run
 EAGLE_FAMILY = ("eagle", "eagle3", "mtp")  # a draft model over the target's hidden states; hybrid by default
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
-# (num_steps, topk, num_draft_tokens) when the user gives none of them: the best measured on this
-# engine (docs/results.md, spec_tuning*.json); adaptive speculation then trims each round per request
-# (evals/tune_spec_defaults.py on training-split prompts: EAGLE-3 (the 1.4M-token head) and MTP ->
-# evals/results/spec_tuning_avx2.json, ngram -> spec_tuning.json; eagle (no shipped head) keeps the old
-# chain of 4)
-# "hybrid" (the EAGLE family's default; the head alone, --no-spec-ngram, takes its own shape): S=2 K=4 T=6,
-# tuned at the served thread count on 32 training chat prompt runs (spec_tuning.json's "hybrid", AMD EPYC, rerun at
-# 641074b: 1.24x non-spec and the best in both reps, the S=2 K=4 T=5 it had before 1.22x, S=3 K=4 T=6 1.21x; T=6 led
-# T=5 in three earlier runs of 8-24 prompts too). T=5 had replaced the S=3 K=2 T=6 it had kept since the adaptive
-# policy speculated at batch 8 (1.36x against 1.06x then); at batch 8 neither speculated (0.977x / 0.973x plain)
+# (num_steps, topk, num_draft_tokens) when the user gives none of them: the shapes evals/tune_spec_defaults.py
+# chose on training-split prompts at the served thread count (spec_tuning*.json, docs/results.md); adaptive
+# speculation then trims each round per request. "hybrid" is the EAGLE family's default (the head's tree with
+# n-gram candidates merged); the head alone (--no-spec-ngram) takes its own shape; eagle, with no shipped head,
+# a chain of 4.
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (2, 4, 6), "replay": (4, 1, 5)}
-# n-gram drafting alone on a CPU without AMX, where each verify row costs compute (AVX512-BF16 / AVX2: a b1 forward
-# streams the weights, 8 rows multiply them; evals/results/profile_spec_round.json): a chain of 8 at min match 1.
-# spec_tuning.json's "ngram" (AMD EPYC, 16 training grounded prompts): S8_K1_T9_M1 3.54x non-spec, S8_K1_T9 3.34x,
-# S6_K2_T12 2.85x. With AMX a row is nearly free and the tree above stays (a Xeon's run at a447e9d read S8_K3_T16
-# 5.23x, S6_K2_T12 4.74x, S8_K1_T9 4.18x at one thread; min match 1 not tried there)
+# n-gram drafting alone on a CPU without AMX (AVX512-BF16 / AVX2): there a b1 forward streams the weights while a
+# few-row one multiplies them, so each verify row costs compute (profile_spec_round.json) and a chain of 8 at min
+# match 1 beats a tree; with AMX a row is nearly free and DEFAULT_SHAPES["ngram"]'s tree stays
 NGRAM_SHAPE_ROWS_COST = (8, 1, 9)
 
 

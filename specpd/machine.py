@@ -1,7 +1,7 @@
 """What this machine offers the engine: usable cores, the CPU's native number formats, and the defaults they
 imply (threads, dtype). Plain Python (no torch), so the launcher can split cores between its children.
 
-The defaults are the best measured configuration on the machine a server starts on (DESIGN.md §4, §7):
+The defaults are the best measured configuration on the machine a server starts on (docs/architecture.md §6):
   - threads: OMP_NUM_THREADS where it is set (torch and vLLM's CPU build read it too), else every core this
     process may run on (its affinity mask); a `--disagg` cluster splits the cores between its prefill and
     decode servers (`split_cores`) and gives each child its share as --num-threads;
@@ -72,7 +72,7 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     2 MiB-aligned interior; where THP is `madvise`, the default on Debian, nothing gets them otherwise). Call it
     before the memory is first touched. Returns the bytes advised: 0 where the OS cannot (not Linux, THP off).
     The KV pool takes it: attention reads each sequence's K/V in 4 KB blocks at scattered pages, one TLB miss
-    each on 4 KB pages (a b32 decode step's attention over 350 positions: 22 ms, 18.7 ms on huge pages)."""
+    each on 4 KB pages, which huge pages avoid (profile_step.json)."""
     if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or not huge_pages_wanted():
         return 0
     start, length = _interior(address, nbytes)
@@ -154,10 +154,10 @@ def collapse_later_in_background(busy=None, duty: float = 0.5) -> threading.Thre
     collapse_huge_pages) once the server is up, while no engine of this process has work (`busy()` is false, and so
     is every other busy check given here before or after: two engines in one process, as the benchmarks that run
     specpd beside itself make them, each collapsed while the other decoded, and a third of the EAGLE engine's
-    verify forwards ran ~2x slow beside the plain engine's collapse): one chunk at a time, each followed by a pause
+    verify forwards ran slow beside the plain engine's collapse): one chunk at a time, each followed by a pause
     so that the thread compacts at most `duty` of a core; a request arriving waits at most for one chunk's
-    collapse, 8 MiB. A KV pool on 4 KB pages cost a b32 decode step's attention ~15% (profile_step on the AMX
-    Xeon); khugepaged alone would take ~20 min for the default model's (16 MiB per 10 s). None when
+    collapse, 8 MiB. A KV pool on 4 KB pages slows a wide decode step's attention (profile_step.json), and
+    khugepaged alone collapses 16 MiB per 10 s: tens of minutes for the default model's. None when
     there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
     the kernel keeps the memory's contents through a collapse."""
     if busy is not None:
@@ -233,7 +233,7 @@ def huge_pages_status() -> dict:
     """This process's memory on huge pages now (AnonHugePages, MiB; None where Linux does not say) of its resident
     MiB, and the background collapse (collapse_later_in_background): none (start-up left nothing on 4 KB pages), off
     (SPECPD_HUGE_PAGES_LATER=0), running or done, with the MiB it was left and has collapsed. In /server_info: a
-    server on 4 KB pages runs a b32 decode step ~4% slower (Zen 4 EPYC, bf16), so a side-by-side benchmark waits
+    server on 4 KB pages runs a wide decode step slower, so a side-by-side benchmark waits
     for the collapse and records this beside its numbers (evals/peers_client.py)."""
     sizes = {}
     try:

@@ -105,3 +105,30 @@ def test_results_pages_are_generated_from_the_result_files():
 
 def test_readme_is_a_front_door():
     assert len(_read("README.md").splitlines()) <= 200
+
+
+def test_readme_results_name_a_missing_peer_and_read_the_isa_from_the_flags():
+    """The README's block from a peers.json without vLLM, with llama.cpp's q4_1 cells, and no ISA field: vLLM's
+    table says it was not measured (with the run's reason), llama.cpp's sits beside specpd's default dtype, and
+    the box's ISA comes from its recorded CPU flags."""
+    import copy
+    import json
+    sys.path.insert(0, ROOT)
+    from evals import report_readme
+    with open(os.path.join(ROOT, "evals", "results", "peers.json")) as f:
+        data = json.load(f)
+    d = copy.deepcopy(data)
+    plain = next(v for k, v in d["cells"].items() if k.startswith("specpd/plain/"))
+    d["cells"] = {k: v for k, v in d["cells"].items() if not k.startswith("vllm/")}
+    d["cells"]["llamacpp/plain/q4_1"] = plain
+    d["skipped"] = [{"server": "vllm/plain/bf16", "reason": "no .peers/vllm"}]
+    d["specpd_default_dtype"] = "bfloat16"
+    d.pop("specpd_probe", None)
+    d.pop("isa", None)
+    d["machine"]["cpu_flags"] = {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": False}
+    text = report_readme.render(d, None)
+    assert "vLLM's CPU build: not measured in this file (no .peers/vllm)." in text
+    assert "| llama.cpp TPOT ms c1 |" in text and "plain (specpd bf16, llama.cpp q4_1)" in text
+    assert text.count("ISA avx512_bf16") == 3 and "amx" not in text
+    d["isa"] = "avx2"  # a field the file names wins over its flags
+    assert "ISA avx2," in report_readme.box(d)

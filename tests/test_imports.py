@@ -1,10 +1,12 @@
 """The code's house holds: no Python file over 400 lines, no import circle between modules of specpd/ or
 evals/ (imports inside functions count: they hide a circle, they do not remove it), and none between specpd's
-packages (docs/architecture.md, "Layers of the code")."""
+packages (docs/architecture.md, "Layers of the code"); and nothing names a file outside the repository (the
+design is docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,3 +112,95 @@ def test_no_python_file_over_400_lines():
                     if n > 400:
                         long[os.path.relpath(os.path.join(base, f), ROOT)] = n
     assert not long, f"split these by responsibility: {long}"
+
+
+# -- nothing points outside the repository (issue 65) ---------------------------------------------------------
+# path-like tokens that can only name something outside the checkout: the old design notes, a sibling folder, a
+# machine's home or work directory (spelt with character classes so that this file does not name them itself)
+OUTSIDE = re.compile(r"DESIGN[.]md|[.][.]/shared\b|(?<![\w.~])/(?:work|home|Users|root)/[\w.-]")
+FILE_NAME = re.compile(r"(?<![\w/.-])((?:\.\./)*[\w-][\w.-]*(?:/[\w.-]+)*\.(?:md|py|json))\b(?!\()")
+UP_PATH = re.compile(r"(?<![\w.])((?:\.\./)+[\w.-]+(?:/[\w.-]+)*)")
+# names that are not the repository's and are allowed: what a model, draft or training directory holds (user
+# data), and other projects' sources cited by name beside their project
+MODEL_DIR_FILES = {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "model.safetensors.index.json", "args.json", "index.json", "provenance.json"}
+CITED = {"cnets.py", "cnets1.py", "modeling_llama_kv.py",  # SafeAILab/EAGLE
+         "llama_eagle.py", "llama_eagle3.py", "deepseek_nextn.py", "deepseek_mtp.py",  # SGLang, vLLM
+         "convert_hf_to_gguf.py"}  # llama.cpp
+SKIP_DIRS = {".git", ".venv", ".peers", "build", ".cache", "runs", "__pycache__", ".pytest_cache", ".gpu_stage"}
+
+
+def _repo_files() -> list[str]:
+    out = []
+    for base, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        out += [os.path.relpath(os.path.join(base, f), ROOT) for f in files]
+    return out
+
+
+def outside_pointers(rel: str, text: str, names: set[str]) -> list[str]:
+    """What `text` (the file `rel`) names outside the repository: a path token of OUTSIDE; a `../` path that
+    leaves the checkout or does not exist; a *.md / *.py / *.json name no file of the repository has (a
+    qualified name must match a path's tail), other than MODEL_DIR_FILES, CITED and a user's placeholder
+    (`OUT/gpu.json`)."""
+    found = [m.group(0) for m in OUTSIDE.finditer(text)]
+    here = os.path.dirname(os.path.join(ROOT, rel))
+    for m in UP_PATH.finditer(text):
+        target = os.path.normpath(os.path.join(here, m.group(1).rstrip(".")))
+        if not target.startswith(ROOT + os.sep) or not os.path.exists(target):
+            found.append(m.group(1))
+    for m in FILE_NAME.finditer(text):
+        token = m.group(1)
+        if token.startswith("../") or re.match(r"[A-Z][A-Z_]*/", token):
+            continue  # UP_PATH's; a placeholder the user fills (OUT/gpu.json)
+        base = os.path.basename(token)
+        if base in MODEL_DIR_FILES or base in CITED:
+            continue
+        if "/" in token and not any(n == token or n.endswith("/" + token) for n in names):
+            found.append(token)
+        elif "/" not in token and base not in {os.path.basename(n) for n in names}:
+            found.append(token)
+    return list(dict.fromkeys(found))
+
+
+def _scan(files: list[str]) -> dict[str, list[str]]:
+    names, bad = set(_repo_files()), {}
+    for rel in files:
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            hits = outside_pointers(rel, f.read(), names)
+        if hits:
+            bad[rel] = sorted(set(hits))
+    return bad
+
+
+def test_nothing_names_a_file_outside_the_repository():
+    """specpd/'s modules (docstrings and comments included), docs/ and the README name only files the
+    repository holds: the design is docs/architecture.md, not notes beside the checkout."""
+    files = [f for f in _repo_files() if f == "README.md" or (f.startswith(("specpd" + os.sep, "docs" + os.sep))
+                                                             and f.endswith((".py", ".md")))]
+    bad = _scan(files)
+    assert not bad, f"these name files outside the repository: {bad}"
+
+
+def test_no_path_outside_the_repository_anywhere():
+    """Tests, benchmarks and the Makefile do not reach outside the checkout either (OUTSIDE's tokens)."""
+    files = [f for f in _repo_files() if f.endswith((".py", ".md", ".sh", ".toml")) or f == "Makefile"]
+    bad = {}
+    for rel in files:
+        with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as f:
+            hits = OUTSIDE.findall(f.read())
+        if hits:
+            bad[rel] = sorted(set(hits))
+    assert not bad, f"these point outside the repository: {bad}"
+
+
+def test_the_outside_check_finds_each_kind():
+    design, sibling, home = "DESIGN" + ".md", ".." + "/shared", "/" + "home"  # not named in this file itself
+    names = {"docs/architecture.md", "specpd/config.py", "evals/results/peers.json"}
+    assert outside_pointers("specpd/x.py", f"see {design} §3", names) == [design]
+    assert outside_pointers("docs/a.md", f"the design is `{sibling}/NOTES.md`", names)
+    assert outside_pointers("specpd/x.py", "written by bench_nothing.py -> evals/results/gone.json", names) == [
+        "bench_nothing.py", "evals/results/gone.json"]
+    assert outside_pointers("specpd/x.py", f"cache in {home}/someone/x", names)
+    assert outside_pointers("specpd/x.py", "config.json, docs/architecture.md, peers.json, resp.json(), "
+                            "SGLang's llama_eagle3.py, ~/.cache/specpd", names) == []

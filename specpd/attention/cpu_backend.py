@@ -6,7 +6,7 @@ there for callers that rotate themselves. The torch backend stays the reference.
 
 Long prompt chunks in half precision: a sequence with at least PREFILL_SDPA_ROWS query rows and
 PREFILL_SDPA_WORK query-key pairs, no tree mask, in a bf16 or fp16 pool, attends through torch's SDPA (its CPU flash attention runs the products as bf16 GEMMs, on
-AMX where the CPU has it: 2.8x the C kernel on a 512-row chunk, evals/results/attention.json) over its pages
+AMX where the CPU has it, faster than the C kernel there: evals/results/attention.json) over its pages
 gathered once per layer; the C kernel still writes every row's K/V and attends every other row. Decode and
 verify rows never take that path, so a verify row still equals the decode row bit for bit; a prompt row's
 arithmetic was never a decode row's in half precision (a 512-row GEMM rounds otherwise than a 1-row one). fp32
@@ -25,9 +25,8 @@ from specpd.attention.reference import rope_ref
 from specpd.kernels import cpu_attention
 from specpd.kernels.cpu_attention import Prepared, paged_attention
 
-# a prompt chunk this large (half precision, no tree) attends through torch's SDPA: below ~400 x 400 its fixed
-# costs (RoPE on q in torch, the page gather, the mask) lose to the kernel (a 300-token prompt 92 vs 96 ms a
-# prefill, 512: 175 vs 155, 1024: 462 vs 334; SmolLM2, bf16, 2 threads)
+# a prompt chunk this large (half precision, no tree) attends through torch's SDPA: below about this size its
+# fixed costs (RoPE on q in torch, the page gather, the mask) lose to the kernel's
 PREFILL_SDPA_ROWS = 64
 PREFILL_SDPA_WORK = 384 * 384
 HALF = (torch.bfloat16, torch.float16)

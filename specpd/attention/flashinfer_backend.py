@@ -13,7 +13,7 @@
 2. forward(q, k, v, layer), once per layer: write this step's K/V into the pool, then run the
    planned wrapper on that layer's K and V.
 
-The pool is page-major (DESIGN.md §3), so a layer's K (or V) is a strided view
+The pool is page-major (docs/architecture.md §4), so a layer's K (or V) is a strided view
 `[num_pages, page_size, kv_heads, head_dim]` whose page stride is num_layers*2*page_size*Hkv*D
 elements. It is passed as-is, as a (k, v) tuple in NHD layout, with no copy: FlashInfer reads the
 page / token / head strides from the tensors (`paged_kv_t` in include/flashinfer/page.cuh takes
@@ -26,7 +26,7 @@ Not graph-capturable here (`static_plan` is False): FlashInfer's wrappers keep t
 and need `use_cuda_graph=True` wrappers per batch size; `--cuda-graphs` with this backend is refused at start-up.
 
 flashinfer is imported inside __init__ only: `--attention-backend torch` never imports it, and on
-CPU this module is importable for the plan-input checks (DESIGN.md §7).
+CPU this module is importable for the plan-input checks (docs/gpu.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PD control plane's threads (DESIGN.md §6): the ZMQ sockets between P and D, owned by a thread that
+"""The PD control plane's threads (docs/architecture.md §1): the ZMQ sockets between P and D, owned by a thread that
 never waits on the engine, so a long prefill batch or decode step never makes a live peer look dead.
 
 - `PrefillControl` (P): the ROUTER socket D's DEALERs talk to. It answers D's heartbeats at once with P's

@@ -22,7 +22,7 @@ A request's life on D, keyed by its `bootstrap_room`:
 Abort (client gone): a room still in the prealloc queue is dropped (`Abort` tells P, which holds only its
 registration); in the transfer queue D sends `Abort` and keeps the pages until P's TransferDone /
 TransferFailed / AbortAck says nothing is in flight, or until `abort_timeout_s` passed with no answer (P is
-dead; a frozen P could still write: DESIGN.md §6).
+dead; a frozen P could still write into pages D would reuse).
 When D stops waiting for P (decode_watch.py; the client gets an error at once, then the pages follow the abort
 rule above): waiting for prefill (`prefill_timeout_s`, KVDestination sent -> HandoffRecord) or for the transfer
 (`transfer_timeout_s`, HandoffRecord -> TransferDone) with no progress of the room or its P for that long;

@@ -1,4 +1,5 @@
-"""Which bytes of whose pages hold which KV, on each side of a handoff, and the runs that move it (DESIGN.md §7b).
+"""Which bytes of whose pages hold which KV, on each side of a handoff, and the runs that move it
+(docs/architecture.md §4).
 
 A page of a pool is `[kv_heads, layers, 2, page_size, head_dim]` in memory (specpd/kv/pool.py): one (head,
 layer) pair is a block of `block_bytes` (its K and V for the page's positions), and any range of heads is one

@@ -1,4 +1,5 @@
-"""A PD server's transfer endpoints, one per tensor-parallel rank, and P's writes through them (DESIGN.md §6, §7b).
+"""A PD server's transfer endpoints, one per tensor-parallel rank, and P's writes through them
+(docs/architecture.md §4).
 
 Every rank registers the KV it holds with a transfer engine of its own: rank 0 here (its shard of the target's
 pages, and the draft's own pool where the draft has one), ranks 1.. in their worker processes

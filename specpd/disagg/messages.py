@@ -11,7 +11,7 @@ One request's handoff, keyed by `bootstrap_room` (the router draws it and sends 
 3. Each P rank writes its heads of the prompt's KV pages (target, and the draft's layers in draft-on-both
    mode) into the D ranks that hold them through its own transfer backend (data plane,
    `specpd.disagg.transfer`), one descriptor per page and overlapping head range (specpd/disagg/kv_layout.py).
-4. P -> D `HandoffRecord`: y0 and everything D needs to run its first forward (DESIGN.md §2). P may send
+4. P -> D `HandoffRecord`: y0 and everything D needs to run its first forward (docs/architecture.md §3). P may send
    it as soon as y0 is sampled, before the KV writes finish.
 5. P -> D `TransferDone` once every page write of every P rank completed (or `TransferFailed` with the reason:
    one rank's failed write fails the room, after the other ranks' writes ended). D's receiver
@@ -163,7 +163,7 @@ class KVDestination:
 
 @dataclass
 class HandoffRecord:
-    """P -> D, step 4: the DESIGN.md §2 contract. y0 (`handoff_token`) has no KV yet: D writes it first."""
+    """P -> D, step 4 (docs/architecture.md §3). y0 (`handoff_token`) has no KV yet: D writes it first."""
 
     room: int
     request_id: str

@@ -5,7 +5,7 @@ A worker wraps an LLMEngine and is driven exactly like one (add_request / abort_
 has_unfinished_requests / stats) from AsyncEngine's engine thread. The HTTP handler (loop thread) only calls
 `expect` (and D's `bootstrap`) before submit.
 
-Threads (DESIGN.md §6: the control plane never waits on the engine):
+Threads (docs/architecture.md §1: the control plane never waits on the engine):
 - the engine thread owns every queue of a room's life, the scheduler and its page allocator, and the
   engine: it alone allocates or frees pages, submits KV writes, and decides a room's fate (fail, abort,
   hand off). It talks to peers only through `ControlThread.send` and `ControlThread.take`.

@@ -61,11 +61,10 @@ ANY_WIDTH = 1 << 62
 
 
 def max_rows() -> int:
-    """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it beats oneDNN's AVX512-BF16
-    path at every width measured, 1 to 512 rows (an AMD EPYC: gemm.json's git history), and on AMX its tile path
-    streams the weight for 1..16 rows at the cost of one (an AMX Xeon, evals/results/gemm.json: 10.0 ms for one
-    forward's linears at 1 row, 10.3 at 16, 17.3 at 64 against oneDNN's 14.9 / 15.3 / 20.3; 31 vs 30 at 128, 98
-    vs 101 at 512): every GEMM (ANY_WIDTH), so bf16 is batch invariant at any width, prefill chunks beside decode
+    """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it keeps up with or beats
+    oneDNN's AVX512-BF16 path from 1 to 512 rows, and on AMX its tile path streams the weight for 1..16 rows at
+    the cost of one and stays level with oneDNN above (evals/results/gemm.json): every GEMM (ANY_WIDTH), so bf16
+    is batch invariant at any width, prefill chunks beside decode
     rows included. On AMX with the tile path off (SPECPD_GEMM_AMX=0, or Linux refused the tile state) its
     vdpbf16ps cost grows with the rows while oneDNN's tiles compute 17..32 rows for what 16 cost: 16 there."""
     return 16 if isa() == "amx" and not _lib().amx else ANY_WIDTH

@@ -1,29 +1,27 @@
 """Linear layers for CPU serving: weights prepacked once at load for oneDNN (torch's mkldnn ops).
 
 `mkldnn._linear_pointwise` on a weight reordered once into oneDNN's blocked layout, bf16 (AMX / AVX512-BF16)
-and fp32 alike. On an AMX box bf16 rows 1..16 cost what reading the weight costs and 64 rows 1.4x that
-(evals/bench_gemm.py -> evals/results/gemm.json), which is what speculative verify and batched decode need.
+and fp32 alike. On an AMX box a few bf16 rows cost what reading the weight costs (evals/results/gemm.json),
+which is what speculative verify and batched decode need.
 
 Batch invariance: a row's result must not depend on how many rows share its GEMM, or a verify row (or a
 decode row beside other requests) could round differently from the same row decoded alone and greedy
 speculation would stop being bit-identical to plain decoding. oneDNN's packed fp32 GEMM gives every row the
 same result for any M >= 2, and its one-row path (a gemv) sums in another order: one row is therefore run as
 two (the second a zero row). bf16 is invariant up to 32 rows (a wider batch takes another kernel: a batch
-of more than 32 rows in bf16 rounds differently; fp32 stays exact at any width). Measured on this box
-(tests/model/test_cpu_linear.py checks both). MKL's fp32 gemv over an [in, out] copy streams one row ~25%
-faster, but is not invariant: it is not used.
+of more than 32 rows in bf16 rounds differently; fp32 stays exact at any width;
+tests/model/test_cpu_linear.py checks both). MKL's fp32 gemv over an [in, out] copy streams one row faster,
+but is not invariant: it is not used.
 
 bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
-read bandwidth where oneDNN's bf16 path reaches about half of it: one forward's linears + LM head at 2 threads
-on an AMD EPYC (AVX512-BF16, no AMX) cost 10.4 ms for 1 row against oneDNN's 15.7, 8.9 vs 13.9 for 8 rows, and
-it stays ahead to 512 rows (336 vs 339 ms; gemm.json's git history; the box's bandwidth drifts between runs).
-It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles where the CPU has them
-(10.0 ms at 1 row, 10.3 at 16, 17.3 at 64 on an AMX Xeon against oneDNN's 14.9 / 15.3 / 20.3); only with its AMX
+read bandwidth where oneDNN's bf16 path reaches about half of it, and keeps up to 512 rows
+(evals/results/gemm.json). It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles
+where the CPU has them; only with its AMX
 path off (SPECPD_GEMM_AMX=0) does an AMX CPU hand GEMMs wider than 16 rows to oneDNN. It is batch invariant by
 construction, so bf16 is invariant at any width.
 fp32 on an AVX-512 CPU: its fp32 sibling (cpu_gemm_f32, the same layout and tiles with FMAs) takes every fp32
-GEMM, any width, so fp32 stays invariant (12.2 ms for 1 row against oneDNN's 22.6, 15.4 vs 23.5 for 8 rows, 730
-vs 714 for a 512-row prefill chunk); oneDNN keeps fp32 on AVX2 boxes.
+GEMM, any width, so fp32 stays invariant (it streams the weight where oneDNN's few-row fp32 path does not, and
+is level with it on a prefill chunk); oneDNN keeps fp32 on AVX2 boxes.
 
 `PackedLinear` replaces an nn.Linear in place (`pack_linears`); its reference is F.linear over the original
 weight (tests/model/test_cpu_linear.py, ragged row counts, bias, both dtypes). Under autograd it runs
@@ -179,8 +177,8 @@ def pack_linears(module: nn.Module) -> int:
 def weights_on_huge_pages(module: nn.Module) -> int:
     """Move the memory under `module`'s CPU tensors (parameters, buffers, prepacked weights) onto transparent huge
     pages (specpd.machine.collapse_huge_pages), once they are final. Every step streams them whole, and on 4 KB
-    pages that is a TLB miss per 4 KB: a b1 decode step took 2-8% longer (profile_step, 6 interleaved pairs on
-    the EPYC). Returns the bytes collapsed (0 where the kernel has no MADV_COLLAPSE)."""
+    pages that is a TLB miss per 4 KB, which a b1 decode step pays (profile_step.json). Returns the bytes
+    collapsed (0 where the kernel has no MADV_COLLAPSE)."""
     spans, seen = [], set()
     for m in module.modules():
         tensors = [*m._parameters.values(), *m._buffers.values(),

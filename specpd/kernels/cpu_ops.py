@@ -1,6 +1,6 @@
 """A decoder layer's elementwise glue on CPU in one C pass each (csrc/cpu_ops.c): RMSNorm, the residual add
 fused into the following RMSNorm, and SiLU(gate) * up. Each replaces two to five torch ops (and their
-dispatch, ~10 µs each at batch 1); math in fp32, one rounding at the store (the residual sum is rounded to
+dispatch, which dominates at batch 1); math in fp32, one rounding at the store (the residual sum is rounded to
 the dtype before it is normed, as torch's add then norm does). References: `rms_norm_ref`, `silu_mul_ref`
 (tests/kernels/test_cpu_ops.py compares them over row counts, dtypes and widths)."""
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A verified tree's nodes sit in consecutive scratch slots after the committed prefix (node i at
 position committed_len + i). The accepted path is a chain of nodes i_0, i_1, ... (numbered parents
 first, so i_k >= k); commit moves node i_k's K/V, every layer, K and V, to position
-committed_len + k so that the sequence is position-ordered again (DESIGN.md §3). Call once per pool
+committed_len + k so that the sequence is position-ordered again (docs/architecture.md §4). Call once per pool
 (target, and the draft's if it has its own).
 
 Moves are given as slots: (src_pages[m], src_offsets[m]) -> (dst_pages[m], dst_offsets[m]), all

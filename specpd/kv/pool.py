@@ -3,7 +3,7 @@
 In memory (`storage`, [num_pages, page elements]) a page is the pool's own layers `[kv_heads, num_layers, 2,
 page_size, head_dim]`, then, where a draft model's KV geometry matches, the draft's layers `[kv_heads,
 extra_layers, 2, page_size, head_dim]` (`KVPool.layers_of` views them). Heads are outside layers and positions
-(DESIGN.md §3, §7b): any range of a page's KV heads, of the target's layers or of the draft's, is one contiguous
+(docs/architecture.md §4): any range of a page's KV heads, of the target's layers or of the draft's, is one contiguous
 block, so a transfer moves one descriptor per page and overlapping head range (specpd/disagg/kv_layout.py)
 whatever the tensor-parallel sizes of the two sides, and a whole page (target and draft) is one block too.
 Code indexes the logical view `buffer` `[num_pages, num_layers, 2, page_size, kv_heads, head_dim]` (strided over

@@ -2,10 +2,10 @@
 Python.
 
 The per-layer Python path makes ~10 calls into C per layer (norms, four GEMMs, attention, SiLU x up), each a
-ctypes call with its argument conversion and a tensor allocation: ~0.1 ms a layer, a quarter of a 30-layer
+ctypes call with its argument conversion and a tensor allocation: a sizeable share of a small model's
 decode step once the GEMMs stream at the memory bandwidth. `Stack.run` makes one call for the whole stack,
 through the same kernels in the same order (its output equals the Python path's bit for bit:
-tests/kernels/test_cpu_stack.py), and releases the GIL for all of it.
+tests/model/test_cpu_stack.py), and releases the GIL for all of it.
 
 It runs where every kernel it chains would run anyway: a CausalLM packed for CPU in bf16 or fp32 whose every
 linear takes one of the project's GEMM kernels at this row count: the dense one for that dtype (cpu_gemm_bf16 on

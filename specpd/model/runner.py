@@ -44,7 +44,7 @@ StepResult = list[SampledTokens]
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0,
                  pack: bool = True, pd_role: str | None = None):
-        """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of), DESIGN.md §3.
+        """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of; docs/architecture.md §4).
         pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
         pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
         config = config.resolved()

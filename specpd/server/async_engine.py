@@ -108,8 +108,8 @@ class EngineThread:
     """The engine's thread: build the engine on it (`run(build)`), then hand it to AsyncEngine, which runs the
     engine loop there. One thread runs every torch op: a second thread that ran one (the main thread loading
     the model) keeps an OpenMP team of its own, and with more OpenMP threads than cores libgomp's workers stop
-    spinning between parallel regions, so every GEMM waits for a futex wake (SmolLM2 bf16 at 2 threads on 2
-    cores: a 17 ms decode step took 30 ms, and the cost model, timed on the main thread, did not know).
+    spinning between parallel regions, so every GEMM waits for a futex wake (a decode step nearly doubles, and
+    the cost model, timed on the main thread, would not know).
     A daemon, like the loop's thread always was: a wedged step never holds the interpreter's exit."""
 
     def __init__(self, priority: str = "normal"):
@@ -144,7 +144,7 @@ class AsyncEngine:
         """priority "low": the engine thread runs under SCHED_IDLE (Linux), so the HTTP thread and the KV
         transfer threads of this process run the moment they wake instead of after the engine's time
         slice. On a CPU box where a server owns one core, a KV write otherwise waits for the scheduler at
-        every TCP round trip (raw Mooncake between two busy cores: 4.6 GB/s -> 0.43 GB/s).
+        every TCP round trip, and a transfer between two busy cores runs at a fraction of its rate.
         max_queued: requests that may wait for their first token (queued for a batch slot, for KV, or in
         prefill) before `submit` refuses more; None: no limit.
         thread: the EngineThread the engine was built on, to run the engine loop (every torch op of the

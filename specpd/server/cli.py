@@ -60,7 +60,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.role in ("prefill", "decode"):
         # KV moves in transfer threads (P: the backend's writers; D with --transfer-backend tcp: its
         # receiver) that must take the GIL back from the engine thread after every transfer call; at the
-        # default 5 ms switch interval that wait exceeds a 5 MB write over loopback (~3 ms)
+        # default 5 ms switch interval that wait can exceed a whole multi-MB write over loopback
         sys.setswitchinterval(PD_SWITCH_INTERVAL_S)
         from specpd.disagg.transfer import default_backend
         transfer_backend = args.transfer_backend or default_backend()

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-weight", type=float, default=None, help="(default: eagle 1.0, eagle3 / mtp 0)")
     p.add_argument("--target-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="target dtype for feature extraction and self-distillation; bfloat16 pays off on "
-                        "CPUs with AMX or on GPUs, and runs ~1.7x slower on AVX-512 without AMX (default: float32)")
+                        "CPUs with AMX or on GPUs, and runs slower on AVX-512 CPUs without AMX (default: float32)")
     p.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="bfloat16: autocast the draft's forward (fp32 weights and optimiser) (default: float32)")
     p.add_argument("--feature-dir", default=None, help="feature cache directory (default: OUT/features)")

@@ -1,4 +1,4 @@
-"""The control plane never waits on the engine (DESIGN.md §6): a P whose engine step outlasts the heartbeat
+"""The control plane never waits on the engine (docs/architecture.md §1): a P whose engine step outlasts the heartbeat
 timeout, holding the GIL in pure Python the whole time, still answers heartbeats within milliseconds and
 says it is busy; no room is failed and the request completes. D's own long step is not P's silence."""
 import concurrent.futures
@@ -154,7 +154,7 @@ def test_a_busy_prefill_answers_heartbeats_and_its_rooms_survive(model_dir):
         assert out.error is None and out.token_ids == expected
         assert drivers[0].finished("p0").finish_reason == "handoff"
         # the stall is three heartbeat timeouts long: answered at least once in each, every answer quicker than
-        # the timeout, and P never silent for one (D's rule) till the step's end; DESIGN.md §6 asks < 1 s
+        # the timeout, and P never silent for one (D's rule) till the step's end; the design asks < 1 s
         assert len(pings) >= STALL_S / HEARTBEAT_TIMEOUT_S, pings
         rtts = sorted(answered - sent for sent, answered, _ in pings)
         answers = [answered for _, answered, _ in pings] + [stall.end_at]

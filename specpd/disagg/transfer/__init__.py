@@ -1,4 +1,4 @@
-"""Transfer backends (DESIGN.md §6): an ABC and a registry; heavy engines are imported only when chosen.
+"""Transfer backends (docs/disaggregation.md): an ABC and a registry; heavy engines are imported only when chosen.
 
 `--transfer-backend {mooncake,tcp}`: `create_backend(name, host=..., **options)`. Without the flag a PD
 server takes `default_backend()`: mooncake where its engine loads, else tcp with one log line saying why

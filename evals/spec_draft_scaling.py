@@ -3,11 +3,11 @@
 The shipped head's recipe (2 epochs, lr 1e-3, 2048-token batches, 2 unrolled steps, 8192-id draft vocab)
 on prefixes of its own 700k-token feature cache (`--feature-dir`; a smaller `--max-train-tokens` reads
 exactly the conversations a fresh run with that budget would take), so the budget is the only variable.
-Each run is evaluated like the shipped head (evals/acceptance.py: 40 held-out ShareGPT prompts, 128
+Each run is evaluated like the shipped head (evals/spec_acceptance.py: 40 held-out ShareGPT prompts, 128
 tokens, greedy, chain S=5 and tree K=4 T=16). A least-squares line tau = a + b * log10(tokens) through
 the points gives the budget at which it would reach the issue's targets, if the trend held.
 
-  python evals/draft_scaling.py     # -> evals/results/draft_scaling.json (trains and evaluates what is missing)
+  python -m evals.spec_draft_scaling     # -> evals/results/spec_draft_scaling.json (trains and evaluates what is missing)
 """
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import sys
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import log, machine_info, versions, write_json  # noqa: E402
+from evals.harness.results import log, machine_info, versions, write_json
 
 RECIPE = ["--target", "default", "--algorithm", "eagle3", "--dataset", "sharegpt", "--max-seq-len", "1024",
           "--draft-vocab-size", "8192", "--epochs", "2", "--batch-tokens", "2048", "--lr", "1e-3",
@@ -49,7 +48,7 @@ def main() -> int:
     ap.add_argument("--feature-dir", default="runs/eagle3-smollm2-700k/features",
                     help="a feature cache holding at least the largest budget")
     ap.add_argument("--runs", default="runs", help="where the runs and their evaluations go")
-    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "draft_scaling.json"))
+    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "spec_draft_scaling.json"))
     args = ap.parse_args()
     rows = []
     for n in args.budgets:
@@ -59,7 +58,7 @@ def main() -> int:
                  "--feature-dir", args.feature_dir, "--out", out_dir])
         acc = os.path.join(args.runs, f"acc-scale-{n}.json")
         if not os.path.isfile(os.path.join(REPO, acc)):
-            run([sys.executable, "evals/acceptance.py", "--draft-model", out_dir, "--algorithm", "eagle3",
+            run([sys.executable, "-m", "evals.spec_acceptance", "--draft-model", out_dir, "--algorithm", "eagle3",
                  "--num-prompts", "40", "--max-tokens", "128", "--temperatures", "0", "--configs", ",".join(CONFIGS),
                  "--datasets", "sharegpt_held_out", "--out", acc])
         with open(os.path.join(REPO, out_dir, "train_log.jsonl"), encoding="utf-8") as f:

@@ -11,20 +11,19 @@ head, S=3, topk 4, 8 nodes; adaptive policy pinned so tau compares like with lik
                 / wall time of the decode steps
   valid       = constrained outputs that finished and validate against the schema
 
-  python evals/bench_structured.py                 # -> evals/results/structured.json
-  python evals/bench_structured.py --quick         # smoke run -> $TMPDIR
+  python -m evals.engine_structured                 # -> evals/results/engine_structured.json
+  python -m evals.engine_structured --quick         # smoke run -> $TMPDIR
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompt, held_out_first_turns, log, machine_info, median, versions, write_json  # noqa: E402
+from evals.harness.prompts import chat_prompt, held_out_first_turns
+from evals.harness.results import log, machine_info, median, versions, write_json
 
 EXTRACT = {"type": "object", "properties": {
     "topic": {"type": "string", "maxLength": 40},
@@ -88,8 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.max_tokens = [1, 2], 24
-    out_path = args.output or (os.path.join(tempfile.gettempdir(), "structured.json") if args.quick
-                               else os.path.join(os.path.dirname(__file__), "results", "structured.json"))
+    out_path = args.output or (os.path.join(tempfile.gettempdir(), "engine_structured.json") if args.quick
+                               else os.path.join(os.path.dirname(__file__), "results", "engine_structured.json"))
     from specpd.config import CacheConfig, EngineConfig, SpecConfig
     from specpd.core import SamplingParams
     from specpd.engine.llm_engine import LLMEngine

@@ -1,6 +1,6 @@
 """specpd's plain decoding against HF transformers' `generate` on the same weights, one request at a time.
 
-    .venv/bin/python evals/bench_hf.py            → evals/results/hf_generate.json
+    .venv/bin/python -m evals.engine_hf            → evals/results/engine_hf.json
 
 The default model from specpd's converted copy (evals/peers.py `hf_dir`, the directory vLLM loads), fp32 (the
 issue's bar: plain decode ≥ 1.5× HF `generate` at batch 1 in fp32; `--dtypes float32,bfloat16` adds bf16), at
@@ -20,18 +20,18 @@ import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json  # noqa: E402
-from peers import hf_dir  # noqa: E402
+from evals.harness.prompts import held_out_sharegpt_prompts
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.peers import hf_dir
 
-from specpd.config import EngineConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.machine import default_threads  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.config import EngineConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import default_threads
+from specpd.model.loader import load_checkpoint
 
 
 def hf_run(model, prompt: list[int], n: int) -> tuple[list[int], float]:
@@ -79,13 +79,13 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16")
     ap.add_argument("--threads", type=int, default=default_threads(),
                     help="torch threads (default: what `specpd serve` picks here, every usable core)")
-    ap.add_argument("--out", default="evals/results/hf_generate.json")
+    ap.add_argument("--out", default="evals/results/engine_hf.json")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint("default")
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.prompts + 1)
-    result = {"description": __doc__.split("\n\n")[0], "command": "evals/bench_hf.py " + " ".join(sys.argv[1:]),
+    result = {"description": __doc__.split("\n\n")[0], "command": "python -m evals.engine_hf " + " ".join(sys.argv[1:]),
               "args": vars(args), "machine": machine_info(), "versions": versions(), "dtypes": {}}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)

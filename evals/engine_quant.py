@@ -15,7 +15,7 @@ engine on the same file, decode speed through `specpd generate`, and resident me
 3. memory: a child process per configuration builds the engine as `specpd generate` does and reports its
    resident set after start-up and after one generation, and its peak (VmRSS, VmHWM).
 
-    .venv/bin/python evals/quant_e2e.py [--parts agreement speed memory]   -> evals/results/quant_e2e.json
+    .venv/bin/python -m evals.engine_quant [--parts agreement speed memory]   -> evals/results/engine_quant.json
 (a part not run keeps its entry from the file already there: the speed part can be rerun on a quieter box)
 """
 from __future__ import annotations
@@ -28,11 +28,10 @@ import subprocess
 import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
 
-OUT = os.path.join(REPO_ROOT, "evals", "results", "quant_e2e.json")
+OUT = os.path.join(REPO_ROOT, "evals", "results", "engine_quant.json")
 PROMPT = "Explain how a hash map works, with a short example in Python."
 # (label, dtype, quantization) of the agreement runs; the first is the reference
 AGREEMENT = [("dense fp32", "float32", "none"), ("gguf, fp32 activations", "float32", "gguf"),
@@ -40,7 +39,7 @@ AGREEMENT = [("dense fp32", "float32", "none"), ("gguf, fp32 activations", "floa
 
 
 def agreement(num_prompts: int, tokens: int) -> dict:
-    from evals.common import held_out_sharegpt_prompts
+    from evals.harness.prompts import held_out_sharegpt_prompts
     from specpd.config import CacheConfig, EngineConfig
     from specpd.core import SamplingParams
     from specpd.engine.llm_engine import LLMEngine

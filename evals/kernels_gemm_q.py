@@ -9,32 +9,30 @@ over M rows (1 = decode at batch 1; 2..32 = verify trees and batched decode; 128
     32, and `aten._weight_int8pack_mm`, per channel; bf16 activations, their vectorized path; int8 head);
   - the dense paths on the dequantized weights: specpd's fp32 kernel (AVX-512) and bf16 kernel (AVX512-BF16),
     and oneDNN's prepacked fp32 linear (what AVX2 boxes serve fp32 with);
-  - the floors: each weight set's bytes over the read bandwidth measured on the box (evals/profile_step.py's
+  - the floors: each weight set's bytes over the read bandwidth measured on the box (evals/engine_step.py's
     ReadProbe).
 The paths are timed interleaved in every repetition (the box drifts); each figure is a median.
 
-    .venv/bin/python evals/bench_gemm_q.py            -> evals/results/gemm_q.json
+    .venv/bin/python -m evals.kernels_gemm_q            -> evals/results/kernels_gemm_q.json
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
-from evals.profile_step import ReadProbe  # noqa: E402
-from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32  # noqa: E402
-from specpd.kernels import cpu_gemm_q as gq  # noqa: E402
-from specpd.machine import isa, usable_cores  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.engine_step import ReadProbe
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
+from specpd.kernels import cpu_gemm_q as gq
+from specpd.machine import isa, usable_cores
 
-OUT = os.path.join(REPO_ROOT, "evals", "results", "gemm_q.json")
+OUT = os.path.join(REPO_ROOT, "evals", "results", "kernels_gemm_q.json")
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152, 30 layers
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)

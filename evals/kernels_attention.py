@@ -8,7 +8,7 @@ in the working tree runs against `--against REV`'s csrc/cpu_attention.c (compile
 bf16 paths switched as the engine's: common.kernel_at), in rotated order, rep by rep; the outputs are compared bit
 for bit.
 
-    .venv/bin/python evals/bench_attention.py --against a3fe0bd     → evals/results/attention.json
+    .venv/bin/python -m evals.kernels_attention --against a3fe0bd     → evals/results/kernels_attention.json
 
 Prefill chunks (512 rows after 512 or 1536 tokens) also time torch's SDPA on the same K/V gathered once (its
 CPU flash attention, bf16 GEMMs): what a GEMM-based prefill path would cost, not what the engine runs.
@@ -24,14 +24,14 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
-import torch  # noqa: E402
+import torch
 
-from common import REPO_ROOT, kernel_at, log, machine_info, versions, write_json  # noqa: E402
-from specpd.kernels.cpu_attention import Prepared, _kernel  # noqa: E402
-from specpd.kv.pool import KVPool  # noqa: E402
-from specpd.machine import isa  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.kernels_against import kernel_at
+from specpd.kernels.cpu_attention import Prepared, _kernel
+from specpd.kv.pool import KVPool
+from specpd.machine import isa
 
 LAYERS, HQ, HKV, D, PS = 30, 9, 3, 64, 16
 CASES = {"decode_b1_ctx300": (1, 300, 1), "decode_b8_ctx300": (8, 300, 1), "decode_b32_ctx350": (32, 350, 1),
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "attention.json"))
+    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "kernels_attention.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -11,27 +11,26 @@ order (the machine is shared and noisy); medians over reps are reported.
   TTFT    = time until every request of the batch has its first token (batch 1: the usual TTFT)
   decode tok/s (prefill excluded) = N * (out - 1) / (t_total - TTFT)
 
-  python evals/bench_offline.py --threads 1   # full run -> evals/results/offline.json
-  python evals/bench_offline.py --quick       # smoke run (short prompts, 1 rep) -> $TMPDIR, not results/
+  python -m evals.engine_offline --threads 1   # full run -> evals/results/engine_offline.json
+  python -m evals.engine_offline --quick       # smoke run (short prompts, 1 rep) -> $TMPDIR, not results/
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]  # runnable without `pip install -e .`
-from common import log, machine_info, median, real_text_prompts, versions, write_json  # noqa: E402
+from evals.harness.prompts import real_text_prompts
+from evals.harness.results import log, machine_info, median, versions, write_json
 
-from specpd.config import CacheConfig, EngineConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.config import CacheConfig, EngineConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model.loader import load_checkpoint
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -142,12 +141,12 @@ def main() -> None:
                     help="torch.set_num_threads (default: torch's own, = usable cores). On a shared machine "
                          "2 OpenMP threads on 2 busy cores stall at every barrier: use 1 there")
     ap.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 64/8 tokens, 1 rep")
-    ap.add_argument("--out", default=None, help="JSON path (default evals/results/offline.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default evals/results/engine_offline.json)")
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.prompt_len, args.output_len, args.reps = [1, 2], 64, 8, 1
     out_path = args.out or (os.path.join(tempfile.gettempdir(), "specpd_offline_quick.json") if args.quick
-                            else os.path.join(RESULTS_DIR, "offline.json"))
+                            else os.path.join(RESULTS_DIR, "engine_offline.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
     log(f"torch threads: {torch.get_num_threads()} (interop {torch.get_num_interop_threads()})")

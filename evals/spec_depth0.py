@@ -1,12 +1,12 @@
 """Where a round at depth 0 spends its time, against non-spec: timers around the engine's parts.
 
-`python evals/profile_depth0.py --configs non_spec hybrid mtp_hybrid random_hybrid --batch 8 --reps 3`
+`python -m evals.spec_depth0 --configs non_spec hybrid mtp_hybrid random_hybrid --batch 8 --reps 3`
 (`--workload grounded`: the grounded rewrite's long prompts instead of chat's)
-  -> evals/results/profile_depth0.json
+  -> evals/results/spec_depth0.json
 in the configuration a server takes on this machine (dtype, threads: specpd.machine), or `--dtype float32
 --threads 1` as the earlier runs were made.
 The configs (spec_workloads.configs) run held-out chat prompts in lockstep (one engine step each in turn, as
-`bench_spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep: `--batch` at once,
+`spec.py --lockstep`), one warm rep then `--reps` measured ones, fresh prompts every rep: `--batch` at once,
 or with `--closed-loop N`, N prompts through `--batch` clients (the next added as one finishes: arrivals and
 finishes spread over the rounds, as a served benchmark's, and the ratio is every output token over all step time).
 A config named `<config>_eager` is that config with every prompt's draft extend run at once (SpecRunner's
@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from common import log, machine_info, versions, write_json
-from spec_workloads import WORKLOADS, configs, lockstep_run
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.spec_workloads import WORKLOADS, configs, lockstep_run
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from specpd.core import SamplingParams
@@ -109,7 +109,7 @@ def main() -> None:
                     "picks here: bfloat16 on an AMX / AVX512-BF16 box, else float32)")
     ap.add_argument("--threads", type=int, default=default_threads(),
                     help="torch threads (default: what `specpd serve` picks here, every usable core)")
-    ap.add_argument("--out", default="evals/results/profile_depth0.json")
+    ap.add_argument("--out", default="evals/results/spec_depth0.json")
     args = ap.parse_args()
     if "non_spec" not in args.configs:
         raise SystemExit("--configs must include non_spec (the ratios' reference)")

@@ -21,13 +21,13 @@ tau: committed tokens per verify forward from the usage of every request; PD / u
 TTFT breakdown (PD configs): the router's, P's and D's stage durations (specpd/disagg/timeline.py), each on its
 own server's clock, per workload: mean over the workload's requests, p50 / p99 over each server's recent window.
 
-  python evals/bench_pd.py --draft-model default --algorithm eagle3    # -> evals/results/pd.json
-  python evals/bench_pd.py --quick --draft-model DIR                   # smoke -> $TMPDIR
-  python evals/bench_pd.py --configs pd,pd_spec_both,pd_spec_decode_only --rounds 4   # spec vs non-spec TPOT:
+  python -m evals.pd --draft-model default --algorithm eagle3    # -> evals/results/pd.json
+  python -m evals.pd --quick --draft-model DIR                   # smoke -> $TMPDIR
+  python -m evals.pd --configs pd,pd_spec_both,pd_spec_decode_only --rounds 4   # spec vs non-spec TPOT:
         the configs 4 times in ABBA order, each spec config's TPOT over non-spec's round by round (the box
         moves PD figures 25-100% within minutes; one config after another cannot settle a 10% difference)
         (add --warm-pass: each fresh cluster runs the short workload once before it is measured)
-  python evals/bench_pd.py --serve-defaults --configs pd,pd_spec_both,pd_spec_decode_only --rounds 3 --warm-pass
+  python -m evals.pd --serve-defaults --configs pd,pd_spec_both,pd_spec_decode_only --rounds 3 --warm-pass
         # -> evals/results/pd_serve_defaults.json: what `make serve` runs, nothing else: every PD config is
         `specpd serve --disagg 1p1d --model default [--speculative-algorithm eagle3 --draft-model default
         --draft-mode MODE]` (the launcher splits the cores, no pinning, normal priority, default pages);
@@ -44,14 +44,14 @@ import tempfile
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_prompt_sets, log, machine_info, median, real_text_prompts,  # noqa: E402
-                    transfer_backend, versions, write_json)
-from pd_client import kv_delta, log_breakdown, run_workload, stage_breakdown, stage_snapshot, summarize  # noqa: E402
-from pd_servers import add_cluster_args, cluster_configs, launcher_cluster, pd_cluster, unified_cluster  # noqa: E402
+from evals.harness.prompts import held_out_prompt_sets, real_text_prompts
+from evals.harness.results import log, machine_info, median, versions, write_json
+from evals.harness.servers import transfer_backend
+from evals.harness.client import kv_delta, log_breakdown, run_workload, stage_breakdown, stage_snapshot, summarize
+from evals.harness.servers import launcher_cluster, pd_cluster, unified_cluster
+from evals.pd_configs import add_cluster_args, cluster_configs
 
-import httpx  # noqa: E402
+import httpx
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 

@@ -1,4 +1,4 @@
-"""Where a speculative round's time goes, for evals/bench_spec.py: wall-clock and CPU timers around the engine's
+"""Where a speculative round's time goes, for evals/spec.py: wall-clock and CPU timers around the engine's
 parts, a torch.profiler op table, a cProfile top list, the drafting cost of a random EAGLE-1 draft, and a
 matmul microbenchmark of the target's linear shapes.
 """
@@ -14,8 +14,8 @@ import types
 from collections import defaultdict
 
 import torch
-from common import median
-from spec_runs import SPEC_STEPS, Bench
+from evals.harness.results import median
+from evals.spec_runs import SPEC_STEPS, Bench
 
 import specpd.engine.spec_verify as spec_verify_module
 import specpd.kernels.kv_compact as kv_compact_module

@@ -28,14 +28,13 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
-import torch  # noqa: E402
+import torch
 
-from common import REPO_ROOT, machine_info, versions  # noqa: E402
-from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
+from evals.harness.results import REPO_ROOT, machine_info, versions
+from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

@@ -21,7 +21,7 @@ request), with a ~300-token context per request on scattered pages:
     ignore_eos): its TPOT minus the engine step is HTTP, the event loop and the stream;
   - the peer's TPOT at concurrency 1 from evals/results/peers.json when that file exists.
 
-    .venv/bin/python evals/profile_step.py [--server]      → evals/results/profile_step.json
+    .venv/bin/python -m evals.engine_step [--server]      → evals/results/engine_step.json
 """
 from __future__ import annotations
 
@@ -30,24 +30,22 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
-from specpd.attention.metadata import AttentionMetadata  # noqa: E402
-from specpd.config import CacheConfig, EngineConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.kernels import cpu_gemm_bf16  # noqa: E402
-from specpd.machine import isa, wait_for_collapse  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from specpd.attention.metadata import AttentionMetadata
+from specpd.config import CacheConfig, EngineConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.kernels import cpu_gemm_bf16
+from specpd.machine import isa, wait_for_collapse
 
-OUT = os.path.join(REPO_ROOT, "evals", "results", "profile_step.json")
+OUT = os.path.join(REPO_ROOT, "evals", "results", "engine_step.json")
 CTX = 300
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4]  # an 8-node tree (node 0 = root)
 
@@ -292,7 +290,7 @@ def main() -> None:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
     result = {"meta": {"machine": machine_info(), "isa": isa(), "versions": versions(), "context_tokens": CTX,
-                       "command": "python evals/profile_step.py" + (" --server" if args.server else "")
+                       "command": "python -m evals.engine_step" + (" --server" if args.server else "")
                        + (f" --dtype {args.dtype}" if args.dtype else "")},
               "cases": {}}
     for batch in args.batches:

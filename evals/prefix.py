@@ -23,8 +23,8 @@ prefilled itself: pd_local_prefills), on a unified server; P -> D KV bytes (P's 
 against the pages D's cache lacked (ceil(N / page) - D's cached pages). Hit rate = cached / prompt tokens
 (usage.prompt_tokens_details.cached_tokens). tau = committed tokens per verify forward from each usage.
 
-  python evals/bench_prefix.py            # -> evals/results/prefix.json + prefix.png (~14 min)
-  python evals/bench_prefix.py --quick    # smoke, ~2-3 min -> $TMPDIR/specpd_prefix_quick.json
+  python -m evals.prefix            # -> evals/results/prefix.json + prefix.png (~14 min)
+  python -m evals.prefix --quick    # smoke, ~2-3 min -> $TMPDIR/specpd_prefix_quick.json
 """
 from __future__ import annotations
 
@@ -37,13 +37,12 @@ import tempfile
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
-from prefix_cluster import CONFIGS, FAILURES, cluster, flush, send, snapshot  # noqa: E402
-from prefix_report import plot, summarize  # noqa: E402
+from evals.harness.prompts import real_text_prompts
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.prefix_cluster import CONFIGS, FAILURES, cluster, flush, send, snapshot
+from evals.prefix_report import plot, summarize
 
-import httpx  # noqa: E402
+import httpx
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 

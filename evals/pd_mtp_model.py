@@ -1,4 +1,4 @@
-"""A DeepSeek-V3-shaped checkpoint with its own MTP layer, random, for evals/bench_mtp_pd.py: transformers'
+"""A DeepSeek-V3-shaped checkpoint with its own MTP layer, random, for evals/pd_mtp.py: transformers'
 DeepseekV3ForCausalLM from a config (MLA, routed + shared experts with group-limited routing, a dense first layer,
 YaRN), saved in bf16 with one NextN layer appended in DeepSeek's published layout (model.layers.{L}: enorm, hnorm,
 eh_proj, a MoE decoder block, shared_head.norm, shared_head.head, a copy of the embedding).

@@ -20,8 +20,8 @@ chunks, the last included). The tail is P's `p_record + p_kv_submit + p_kv_write
 hop between them (loopback) is not in either clock. One chunk's transfer: the request's KV seconds inside
 the transfer backend / its writes (P's counters).
 
-  python evals/bench_pd_ttft.py            # -> evals/results/pd_ttft.json + pd_ttft.png
-  python evals/bench_pd_ttft.py --quick    # smoke -> $TMPDIR
+  python -m evals.pd_ttft            # -> evals/results/pd_ttft.json + pd_ttft.png
+  python -m evals.pd_ttft --quick    # smoke -> $TMPDIR
 """
 from __future__ import annotations
 
@@ -34,15 +34,14 @@ import tempfile
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_sharegpt_prompts, log, machine_info, percentile, real_text_prompts,  # noqa: E402
-                    transfer_backend, versions, write_json)
-from pd_client import kv_delta, one_request, stage_breakdown  # noqa: E402
+from evals.harness.prompts import held_out_sharegpt_prompts, real_text_prompts
+from evals.harness.results import log, machine_info, percentile, versions, write_json
+from evals.harness.servers import transfer_backend
+from evals.harness.client import kv_delta, one_request, stage_breakdown
 
-import httpx  # noqa: E402
+import httpx
 
-from specpd.server.launch import free_port, serve_processes  # noqa: E402
+from specpd.server.launch import free_port, serve_processes
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 TAIL_P = ("p_record", "p_kv_submit", "p_kv_write")

@@ -8,7 +8,7 @@ source compiled here with the same flags and its paths switched as the engine's,
 (the box drifts); the outputs are compared bit for bit. `read_gb_s`: the weights' bytes over the current kernel's
 median time.
 
-    .venv/bin/python evals/bench_gemm_kernel.py --against 2b84204     → evals/results/gemm_kernel.json
+    .venv/bin/python -m evals.kernels_gemm_kernel --against 2b84204     → evals/results/kernels_gemm_kernel.json
 """
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
-import torch  # noqa: E402
+import torch
 
-from common import REPO_ROOT, kernel_at, log, machine_info, versions, write_json  # noqa: E402
-from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32  # noqa: E402
-from specpd.machine import isa  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.kernels_against import kernel_at
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
+from specpd.machine import isa
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's linears
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,5,6,7,8,12,16,24,32,64")
     ap.add_argument("--pairs", type=int, default=30, help="alternated pairs of forwards per row count")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "gemm_kernel.json"))
+    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "evals", "results", "kernels_gemm_kernel.json"))
     args = ap.parse_args()
     module, source, entry = KERNELS[args.dtype]
     if not module.available():

@@ -9,9 +9,9 @@ rows use a per-request seed. Speculation is lossless, so tau here is what servin
   accepted_at_depth  = share of verify rounds whose draft token at depth d was accepted
 Configurations: chain S=3, chain S=5, tree K=4 S=5 with T=8 and T=16 draft tokens (root included).
 
-  python evals/acceptance.py --draft-model default --algorithm eagle3     # -> evals/results/acceptance.json/.png
-  python evals/acceptance.py --draft-model default --algorithm mtp        # -> evals/results/acceptance_mtp.json/.png
-  python evals/acceptance.py --num-prompts 8 --max-tokens 32 --out /tmp/acc.json   # smoke
+  python -m evals.spec_acceptance --draft-model default --algorithm eagle3     # -> evals/results/spec_acceptance.json/.png
+  python -m evals.spec_acceptance --draft-model default --algorithm mtp        # -> evals/results/spec_acceptance_mtp.json/.png
+  python -m evals.spec_acceptance --num-prompts 8 --max-tokens 32 --out /tmp/acc.json   # smoke
   (two cores: one process per --datasets, then --merge A.json B.json)
 """
 from __future__ import annotations
@@ -25,16 +25,15 @@ import time
 import torch
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]  # runnable without `pip install -e .`
-from common import (held_out_sharegpt_prompts, humaneval_prompts, log, machine_info,  # noqa: E402
-                    versions, write_json)
+from evals.harness.prompts import held_out_sharegpt_prompts, humaneval_prompts
+from evals.harness.results import log, machine_info, versions, write_json
 
-from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.draft.loader import read_draft_config, resolve_draft_path  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.engine.spec_stats import SpecStats  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.draft.loader import read_draft_config, resolve_draft_path
+from specpd.engine.llm_engine import LLMEngine
+from specpd.engine.spec_stats import SpecStats
+from specpd.model.loader import load_checkpoint
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 CONFIGS = {  # name -> (steps S, topk K, draft tokens T)
@@ -123,13 +122,13 @@ def main() -> int:
     ap.add_argument("--datasets", default="sharegpt_held_out,humaneval")
     ap.add_argument("--batch", type=int, default=16, help="running requests per engine step")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", help="default: evals/results/acceptance.json for eagle3, acceptance_<algorithm>.json "
+    ap.add_argument("--out", help="default: evals/results/spec_acceptance.json for eagle3, acceptance_<algorithm>.json "
                                   "for the others (one canonical file per head)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="combine the results of runs over different datasets (e.g. one per core) into --out")
     args = ap.parse_args()
     suffix = "" if args.algorithm == "eagle3" else f"_{args.algorithm}"
-    args.out = args.out or os.path.join(RESULTS_DIR, f"acceptance{suffix}.json")
+    args.out = args.out or os.path.join(RESULTS_DIR, f"spec_acceptance{suffix}.json")
     if args.merge:
         return merge(args.merge, args.out)
     torch.set_num_threads(args.threads)

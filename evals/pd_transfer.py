@@ -1,5 +1,5 @@
 """Raw Mooncake (loopback TCP) with the sender pinned to core 0 and the receiver to core 1, as P and D
-are in evals/bench_pd.py: idle cores vs both cores kept busy by a spinning process each (a stand-in
+are in evals/pd.py: idle cores vs both cores kept busy by a spinning process each (a stand-in
 for P's prefill and D's decode, which own those cores while KV moves in bench_pd), the spinners at
 normal priority and under SCHED_IDLE (what `--engine-priority low` does to a server's engine thread).
 A second table isolates the GIL: sender and receiver unpinned, with and without a Python thread in the
@@ -9,7 +9,7 @@ sender process that keeps the GIL busy (as an engine thread does between torch o
 Same page size (737,280 B: 16 SmolLM2 tokens, 30 layers, fp32), one descriptor per page, one call per
 request-sized batch; median and best MB/s over the calls after 5 warm-up calls.
 
-  python evals/transfer_under_load.py          # -> evals/results/transfer_under_load.json
+  python -m evals.pd_transfer          # -> evals/results/pd_transfer.json
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import sys
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 PAGE_BYTES = 737_280
 
 
@@ -91,13 +90,13 @@ def main() -> int:
         role, pages, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         endpoint(role, pages, calls, *(int(a) for a in sys.argv[4:7]))
         return 0
-    from common import log, machine_info, versions, write_json
+    from evals.harness.results import log, machine_info, versions, write_json
     rows = [measure(pages, 40, load) for pages in (7, 20) for load in LOADS]
     rows += [measure(pages, 40, load) for pages in (7, 20) for load in GIL_HOLDER]
     for r in rows:
         log(f"{r['pages']:3d} pages/call  {r['load']:16}  median {r['mb_per_s_median']:7.0f} MB/s  "
             f"best {r['mb_per_s_best']:7.0f} MB/s")
-    write_json(os.path.join(EVALS_DIR, "results", "transfer_under_load.json"),
+    write_json(os.path.join(EVALS_DIR, "results", "pd_transfer.json"),
                {"description": __doc__.split("\n\n")[0], "page_bytes": PAGE_BYTES, "results": rows,
                 "machine": machine_info(), "versions": versions()})
     return 0

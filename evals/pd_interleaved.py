@@ -1,6 +1,6 @@
 """Speculative vs non-speculative 1P1D TPOT, interleaved: every config's cluster up at once, passes in turn.
 
-`bench_pd.py --rounds` runs one config after another, each on a fresh cluster, ~3 minutes apiece with its
+`pd.py --rounds` runs one config after another, each on a fresh cluster, ~3 minutes apiece with its
 mixed workload. This box moved non-spec PD TPOT from 64 to 143 ms within one hour, so one round's ratio
 read anywhere from 0.48 to 1.63 and nine rounds could not settle a 10% difference. Here every config's
 servers start first, one cluster after another. Each cluster pins P to core 0 and D to core 1, with one
@@ -10,13 +10,13 @@ the short workload (a fresh cluster's first passes read slower), then the short 
 times per config. The order rotates per cycle (ABBA for two configs), so a pass of one config is never
 more than one pass (~35 s) away from the other's.
 
-Short workload as in bench_pd.py: --num-requests held-out ShareGPT prompts at --rate req/s (Poisson),
+Short workload as in pd.py: --num-requests held-out ShareGPT prompts at --rate req/s (Poisson),
 greedy, ignore_eos, --max-tokens each, streamed; a fresh set of prompts for every warm pass and every
 cycle (all configs of a cycle get the same set). TPOT per request = (last token - first token) / (tokens - 1),
 p50 per pass. Ratio per cycle: a spec config's TPOT p50 over non-spec PD's in the same cycle; median, min
 and max. Outputs must equal non-spec PD's on the same set (lossless); D's free pages must be back to total.
 
-  python evals/bench_pd_interleaved.py --configs pd,pd_spec_decode_only,pd_spec_both --passes 6
+  python -m evals.pd_interleaved --configs pd,pd_spec_decode_only,pd_spec_both --passes 6
         -> evals/results/pd_interleaved.json
 """
 from __future__ import annotations
@@ -29,13 +29,14 @@ import sys
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import (held_out_prompt_sets, log, machine_info, median, transfer_backend, versions,  # noqa: E402
-                    write_json)
-from pd_client import run_workload, summarize  # noqa: E402
-from pd_servers import add_cluster_args, cluster_configs, pd_cluster  # noqa: E402
+from evals.harness.prompts import held_out_prompt_sets
+from evals.harness.results import log, machine_info, median, versions, write_json
+from evals.harness.servers import transfer_backend
+from evals.harness.client import run_workload, summarize
+from evals.harness.servers import pd_cluster
+from evals.pd_configs import add_cluster_args, cluster_configs
 
-import httpx  # noqa: E402
+import httpx
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 POLICY_KEYS = ("spec_rounds", "spec_rounds_off", "spec_rounds_narrow", "spec_draft_tokens_hist", "spec_policy")
@@ -61,7 +62,7 @@ def server_pids(urls: list[str]) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="pd,pd_spec_decode_only,pd_spec_both",
-                    help="bench_pd.py's PD config names; the first is the reference (non-spec PD)")
+                    help="pd.py's PD config names; the first is the reference (non-spec PD)")
     add_cluster_args(ap)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--rate", type=float, default=0.5)

@@ -1,5 +1,5 @@
 """Pick the default draft shapes (specpd.config.DEFAULT_SHAPES) on TRAINING-split prompts only
-(`python evals/tune_spec_defaults.py` -> evals/results/spec_tuning.json).
+(`python -m evals.spec_tuning` -> evals/results/spec_tuning.json).
 
 For EAGLE-3 and MTP (chat workload), the hybrid (EAGLE-3 with n-gram candidates merged: the EAGLE family's
 default) and ngram (grounded workload), batch 1, adaptive on, at the torch threads `specpd serve` runs with here
@@ -14,19 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import log, machine_info, median, versions, write_json  # noqa: E402
-from spec_workloads import WORKLOADS, lockstep_run  # noqa: E402
+from evals.harness.results import log, machine_info, median, versions, write_json
+from evals.spec_workloads import WORKLOADS, lockstep_run
 
-import torch  # noqa: E402
+import torch
 
-from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.machine import wait_for_collapse  # noqa: E402
+from specpd.config import CacheConfig, EngineConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import wait_for_collapse
 
 SHAPES = {  # (steps, topk, tokens[, n-gram min match])
     "eagle3": [(2, 1, 3), (3, 1, 4), (4, 1, 5), (2, 2, 4), (3, 2, 6), (2, 4, 5), (3, 3, 6), (3, 4, 8), (4, 4, 12)],

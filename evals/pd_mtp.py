@@ -1,5 +1,5 @@
 """A DeepSeek-V3-shaped MoE with its own MTP layer (MLA, routed + shared experts, ~300M parameters, random; built
-by evals/mtp_model.py so that its MTP layer accepts) served by `specpd serve --speculative-algorithm mtp` with no
+by evals/pd_mtp_model.py so that its MTP layer accepts) served by `specpd serve --speculative-algorithm mtp` with no
 --draft-model: a 1P1D cluster in both draft modes against the unified server, τ, TTFT and TPOT.
 
 Configurations (each a fresh set of real `specpd serve` processes on 127.0.0.1, bf16 where the CPU computes it; every
@@ -11,7 +11,7 @@ PD's costs show at equal compute, and a box shared with other work disturbs ever
                  not pay, and on this model a MoE verify over a tree's rows reads several experts a row), the head
                  alone (--no-spec-ngram), core 1
   pd_both / pd_decode_only  1P1D with the same flags and --draft-mode both / decode-only: P on core 0, D on core
-                 1, one thread each (evals/pd_servers.py), KV over --backend
+                 1, one thread each (evals/pd_configs.py), KV over --backend
 Workload: --num-prompts prompts of --prompt-len random token ids, greedy, --max-tokens each, one request at a time
 (c1), streamed; TTFT = first streamed token - send, TPOT = (last - first) / (tokens - 1) per request, τ = tokens
 committed per verify forward from every response's usage. --rounds rounds, each config once a round (fresh servers,
@@ -19,8 +19,8 @@ the order reversed every other round); a config's figures are its round with the
 disturbed: the box is shared), every round's p50s kept beside them. Every config's tokens are checked against
 unified_plain's (speculation is lossless; a mismatch is recorded, not hidden).
 
-  python evals/bench_mtp_pd.py                      # -> evals/results/bench_mtp_pd.json
-  python evals/bench_mtp_pd.py --quick              # smoke -> $TMPDIR
+  python -m evals.pd_mtp                      # -> evals/results/pd_mtp.json
+  python -m evals.pd_mtp --quick              # smoke -> $TMPDIR
 """
 from __future__ import annotations
 
@@ -32,16 +32,15 @@ import sys
 import tempfile
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import log, machine_info, transfer_backend, versions, write_json  # noqa: E402
-from mtp_model import build  # noqa: E402
-from pd_client import kv_delta, run_workload, summarize  # noqa: E402
-from pd_servers import launch, pd_cluster  # noqa: E402
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.servers import transfer_backend
+from evals.pd_mtp_model import build
+from evals.harness.client import kv_delta, run_workload, summarize
+from evals.harness.servers import launch, pd_cluster
 
-import httpx  # noqa: E402
+import httpx
 
-RESULTS = os.path.join(EVALS_DIR, "results", "bench_mtp_pd.json")
+RESULTS = os.path.join(EVALS_DIR, "results", "pd_mtp.json")
 
 
 def configs(model_dir: str, args) -> dict[str, tuple[str, list[str]]]:
@@ -75,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "specpd-bench-mtp-deepseek"),
                     help="where the checkpoint is built (reused when built with the same settings)")
-    ap.add_argument("--damp", type=float, default=0.3, help="evals/mtp_model.py: the layers' mixing scale")
+    ap.add_argument("--damp", type=float, default=0.3, help="evals/pd_mtp_model.py: the layers' mixing scale")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -90,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.prompt_len, args.max_tokens, args.warmup, args.rounds = 4, 32, 16, 1, 1
-    out = args.out or (os.path.join(tempfile.gettempdir(), "bench_mtp_pd.json") if args.quick else RESULTS)
+    out = args.out or (os.path.join(tempfile.gettempdir(), "pd_mtp.json") if args.quick else RESULTS)
     meta = versions()  # before measuring: the code this process imported
     log(f"building the checkpoint in {args.model_dir}")
     model = build(args.model_dir, damp=args.damp)

@@ -9,34 +9,32 @@ over M rows (1 = decode at batch 1; 2..64 = verify trees and batched decode). Pa
   - MKL prepacked for that exact M (`mkl._mkl_linear`, fp32; what inductor's freezing uses),
   - specpd's few-row bf16 kernel (specpd/kernels/cpu_gemm_bf16.py, AVX512-BF16 / AMX CPUs: what cpu_linear.py
     serves GEMMs of up to `max_rows()` rows with), and the floor: the weights' bytes over the read bandwidth
-    measured on the box (evals/profile_step.py's `ReadProbe`).
+    measured on the box (evals/engine_step.py's `ReadProbe`).
   - specpd's fp32 kernel (specpd/kernels/cpu_gemm_f32.py, AVX-512 CPUs: the bf16 kernel's layout and tiles with
     FMAs, what cpu_linear.py serves every fp32 GEMM with there). (An earlier few-row fp32 kernel, cpu_gemm, lost
     to the prepacked paths on an AMX box and was removed; git history has it.)
 The paths are timed interleaved in every repetition (the box drifts); each figure is a median.
 
-    .venv/bin/python evals/bench_gemm.py            → evals/results/gemm.json
+    .venv/bin/python -m evals.kernels_gemm            → evals/results/kernels_gemm.json
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from evals.common import REPO_ROOT, log, machine_info, versions, write_json  # noqa: E402
-from evals.profile_step import ReadProbe  # noqa: E402
-from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32  # noqa: E402
-from specpd.machine import isa, usable_cores  # noqa: E402
+from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.engine_step import ReadProbe
+from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
+from specpd.machine import isa, usable_cores
 
-OUT = os.path.join(REPO_ROOT, "evals", "results", "gemm.json")
+OUT = os.path.join(REPO_ROOT, "evals", "results", "kernels_gemm.json")
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, vocab 49152, 30 layers
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)

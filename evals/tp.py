@@ -1,6 +1,6 @@
 """Tensor parallelism's step time against TP 1 on this box, and the all-reduce's share of it.
 
-`python evals/bench_tp.py [--tp 3] [--batches 1 8] [--steps 24] [--rounds 5] [--prefill-tokens 512]`
+`python -m evals.tp [--tp 3] [--batches 1 8] [--steps 24] [--rounds 5] [--prefill-tokens 512]`
   -> evals/results/tp.json
 Two engines on the default model, the user's defaults but the TP size (dtype auto, attention auto, threads:
 TP 1 takes every core, TP N the cores / N per rank), stay loaded side by side; every round times, for each batch
@@ -24,13 +24,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, machine_info, versions, write_json  # noqa: E402
+from evals.harness.results import log, machine_info, versions, write_json
 
-from specpd.config import EngineConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.config import EngineConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.model.loader import load_checkpoint
 
 QUESTIONS = ["What is the capital of France, and what is it known for?", "Name three prime numbers.",
              "Write a haiku about rain.", "Explain what a hash table is.", "What is 17 times 23?",
@@ -88,8 +87,8 @@ def prefill_ms(engine: LLMEngine, prompt: list[int]) -> float:
 def descriptors(pairs: list[tuple[int, int]], prompts: list[list[int]]) -> list[dict]:
     """Per P:D TP pair: P's transfer counters after one greedy request per prompt through the router."""
     import httpx
-    from common import transfer_backend
-    from pd_servers import pd_cluster
+    from evals.harness.servers import transfer_backend
+    from evals.harness.servers import pd_cluster
     backend = transfer_backend("mooncake")
     args = ["--model", "default", "--page-size", "16", "--speculative-algorithm", "eagle3", "--draft-model",
             "default", "--draft-mode", "both", "--disable-prefix-caching"]  # every request sends all its pages

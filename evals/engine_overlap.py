@@ -12,8 +12,8 @@ path) in one of three modes, rotated request by request:
 Per mode, the median step time (decode steps past the fifth). Overlap pays where `overlap` is near `none`; it
 does not where it is near `serial`.
 
-    python evals/probe_overlap.py            -> evals/results/overlap.json
-    python evals/probe_overlap.py --reps 2 --out /tmp/o.json   # smoke
+    python -m evals.engine_overlap            -> evals/results/engine_overlap.json
+    python -m evals.engine_overlap --reps 2 --out /tmp/o.json   # smoke
 
 (Below ~1 ms a step the difference is under what this box drifts between requests.)
 """
@@ -27,13 +27,13 @@ import threading
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json  # noqa: E402
+from evals.harness.prompts import held_out_sharegpt_prompts
+from evals.harness.results import log, machine_info, versions, write_json
 
-from specpd.config import EngineConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.machine import wait_for_collapse  # noqa: E402
+from specpd.config import EngineConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import wait_for_collapse
 
 MODES = ("none", "serial", "overlap")
 
@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--work-us", default="1000,3000", help="host work per step, microseconds (comma-separated)")
     ap.add_argument("--reps", type=int, default=8, help="requests per mode and work size")
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "overlap.json"))
+    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "engine_overlap.json"))
     args = ap.parse_args()
     from specpd.model.loader import load_checkpoint
     ckpt = load_checkpoint("default")
@@ -107,7 +107,7 @@ def main() -> int:
         log(f"work {work_us} us", cases[f"{work_us}us"]["step_ms"], "hidden share", cases[f"{work_us}us"]["hidden_share"])
     helper.stop = True
     write_json(args.out, {"benchmark": "overlap", "description": __doc__.split("\n")[0],
-                          "command": "python evals/probe_overlap.py", "machine": machine_info(),
+                          "command": "python -m evals.engine_overlap", "machine": machine_info(),
                           "versions": versions(), "runtime": eng.runner.runtime_info(), "args": vars(args),
                           "cases": cases})
     return 0

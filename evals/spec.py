@@ -18,30 +18,29 @@ Then, at batch 1: where a speculative round's time goes (wall-clock timers aroun
 parts, a torch.profiler op table, a cProfile top list), and the per-round drafting cost of an EAGLE-1
 draft with random weights (acceptance ~0), full 49k vocabulary vs an 8192-id draft vocabulary.
 
-  python evals/bench_spec.py           # full run -> evals/results/spec.json
-  python evals/bench_spec.py --quick   # smoke run -> $TMPDIR
-  python evals/bench_spec.py --draft-model default   # the shipped trained head instead: spec_trained.json
-  python evals/bench_spec.py --workloads --batch-sizes 1 8 16 --output-len 96   # every drafter, three
+  python -m evals.spec           # full run -> evals/results/spec.json
+  python -m evals.spec --quick   # smoke run -> $TMPDIR
+  python -m evals.spec --draft-model default   # the shipped trained head instead: spec_trained.json
+  python -m evals.spec --workloads --batch-sizes 1 8 16 --output-len 96   # every drafter, three
                                            # workloads, adaptive on/off: spec_workloads.json (+ .png)
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]  # runnable without `pip install -e .`
-from common import log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
-from spec_profile import cprofile_top, eagle_costs, linear_microbench, op_table, profile_rounds  # noqa: E402
-from spec_runs import CONFIGS, SPEC_STEPS, Bench, compare, interleaved_reps, summarize  # noqa: E402
+from evals.harness.prompts import real_text_prompts
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.spec_profilers import cprofile_top, eagle_costs, linear_microbench, op_table, profile_rounds
+from evals.spec_runs import CONFIGS, SPEC_STEPS, Bench, compare, interleaved_reps, summarize
 
-from specpd.config import ModelConfig  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
+from specpd.config import ModelConfig
+from specpd.model.loader import load_checkpoint
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 
@@ -78,11 +77,11 @@ def main() -> None:
                       help="the configs of a rep step in turn, each timed by its own steps (see spec_workloads)")
     args = ap.parse_args()
     if args.workloads:
-        from spec_workloads import run
+        from evals.spec_workloads import run
         args.out = args.out or os.path.join(RESULTS_DIR, "spec_workloads.json")
         return run(args)
     if args.draft_model:
-        from spec_trained import run_trained
+        from evals.spec_trained import run_trained
         return run_trained(args)
     if args.quick:
         args.prompt_len, args.output_len, args.reps, args.reps_b1, args.profile_rounds = 64, 16, 1, 1, 4

@@ -12,8 +12,8 @@ step / the round, so this measures both factors in one process, on held-out chat
 3. `forward_by_rows`: the target's forward alone over 1, 2, 5 and 8 query rows (a chain and trees) at 300 tokens of
    context: what a verify row costs on this box (2 cores: the GEMMs and attention compute, not only stream).
 
-    python evals/profile_spec_round.py            -> evals/results/profile_spec_round.json
-    python evals/profile_spec_round.py --prompts 4 --out /tmp/p.json    # smoke
+    python -m evals.spec_round_cost            -> evals/results/spec_round_cost.json
+    python -m evals.spec_round_cost --prompts 4 --out /tmp/p.json    # smoke
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ import time
 from collections import defaultdict
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-import torch  # noqa: E402
+import torch
 
-from common import held_out_sharegpt_prompts, log, machine_info, percentile, versions, write_json  # noqa: E402
-from spec_profile import Timers  # noqa: E402
-from specpd.attention.metadata import AttentionMetadata  # noqa: E402
-from specpd.config import CacheConfig, EngineConfig, SpecConfig  # noqa: E402
-from specpd.core import SamplingParams  # noqa: E402
-from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.machine import wait_for_collapse  # noqa: E402
-from specpd.model.loader import load_checkpoint  # noqa: E402
-from specpd.verify.tree import DraftTree  # noqa: E402
+from evals.harness.prompts import held_out_sharegpt_prompts
+from evals.harness.results import log, machine_info, percentile, versions, write_json
+from evals.spec_profilers import Timers
+from specpd.attention.metadata import AttentionMetadata
+from specpd.config import CacheConfig, EngineConfig, SpecConfig
+from specpd.core import SamplingParams
+from specpd.engine.llm_engine import LLMEngine
+from specpd.machine import wait_for_collapse
+from specpd.model.loader import load_checkpoint
+from specpd.verify.tree import DraftTree
 
 CTX = 300
 TREES = {"1 row": [-1], "2 rows, chain": [-1, 0], "5 rows, chain": [-1, 0, 1, 2, 3],
@@ -167,7 +167,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=25, help="forward_by_rows repetitions")
-    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "profile_spec_round.json"))
+    ap.add_argument("--out", default=os.path.join(EVALS_DIR, "results", "spec_round_cost.json"))
     args = ap.parse_args()
     ckpt = load_checkpoint("default")
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.prompts)
@@ -181,7 +181,7 @@ def main() -> int:
     log("forward by rows")
     rows = forward_by_rows(args.reps)
     write_json(args.out, {
-        "description": __doc__.split("\n")[0], "command": "python evals/profile_spec_round.py",
+        "description": __doc__.split("\n")[0], "command": "python -m evals.spec_round_cost",
         "meta": {"machine": machine_info(), "versions": versions(), "args": vars(args), "runtime": runtime},
         "engines": result, "round": breakdown, "forward_by_rows": rows})
     log(f"wrote {args.out}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -24,7 +23,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import torch
 
 from evals.harness.prompts import held_out_sharegpt_prompts
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 from evals.peers import hf_dir
 
 from specpd.config import EngineConfig
@@ -85,7 +84,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint("default")
     prompts = held_out_sharegpt_prompts(ckpt.tokenizer, args.prompts + 1)
-    result = {"description": __doc__.split("\n\n")[0], "command": "python -m evals.engine_hf " + " ".join(sys.argv[1:]),
+    result = {"description": __doc__.split("\n\n")[0], "command": command_line(),
               "args": vars(args), "machine": machine_info(), "versions": versions(), "dtypes": {}}
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -31,7 +30,7 @@ EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 import torch
 
-from evals.harness.results import REPO_ROOT, machine_info, versions
+from evals.harness.results import REPO_ROOT, command_line, machine_info, versions
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
@@ -275,7 +274,7 @@ def main() -> None:
         args.device, args.dtype, args.backend = "cpu", "float32", "torch"
         args.prompt_len, args.new_tokens, args.chat_tokens, args.num_prompts = 24, 6, 8, 3
         args.reps, args.iters, args.num_pages, args.max_model_len = 1, 2, 1024, 256
-    result = {"command": " ".join(sys.argv), "smoke": args.smoke, "machine": {**machine_info(), **versions()}, "cells": {},
+    result = {"command": command_line(), "smoke": args.smoke, "machine": {**machine_info(), **versions()}, "cells": {},
               "targets": {}, "errors": {}}
     if args.device == "cuda":
         import triton

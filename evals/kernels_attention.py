@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -27,7 +26,7 @@ EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 import torch
 
-from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.harness.results import REPO_ROOT, command_line, log, machine_info, versions, write_json
 from evals.kernels_against import kernel_at
 from specpd.kernels.cpu_attention import Prepared, _kernel
 from specpd.kv.pool import KVPool
@@ -95,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    result = {"benchmark": "attention", "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+    result = {"benchmark": "attention", "command": command_line(), "machine": machine_info(),
               "versions": versions(), "isa": isa(), "args": vars(args), "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
         against = kernel_at(args.against, "cpu_attention.c", tmp).specpd_attention

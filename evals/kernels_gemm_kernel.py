@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -24,7 +23,7 @@ EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 import torch
 
-from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.harness.results import REPO_ROOT, command_line, log, machine_info, versions, write_json
 from evals.kernels_against import kernel_at
 from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
 from specpd.machine import isa
@@ -59,7 +58,7 @@ def main() -> None:
                for _ in range(LAYERS) for n, k in SHAPES]
     nbytes = sum(n * k for _, n, k in weights) * torch.finfo(dtype).bits // 8
     current = getattr(module._lib(), entry)
-    result = {"benchmark": "gemm_kernel", "command": " ".join(["python", *sys.argv]), "machine": machine_info(),
+    result = {"benchmark": "gemm_kernel", "command": command_line(), "machine": machine_info(),
               "versions": versions(), "isa": isa(), "args": vars(args), "weight_bytes": nbytes, "rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         against = getattr(kernel_at(args.against, source, tmp), entry)

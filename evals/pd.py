@@ -45,7 +45,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_prompt_sets, real_text_prompts
-from evals.harness.results import log, machine_info, median, versions, write_json
+from evals.harness.results import command_line, log, machine_info, median, versions, write_json
 from evals.harness.servers import transfer_backend
 from evals.harness.client import kv_delta, log_breakdown, run_workload, stage_breakdown, stage_snapshot, summarize
 from evals.harness.servers import launcher_cluster, pd_cluster, unified_cluster
@@ -240,7 +240,7 @@ def main() -> int:
                 if r and r.get("mb_per_s_best_of_reps") and mbps:
                     results[n][key]["over_raw_mooncake"] = mbps / r["mb_per_s_best_of_reps"]
                     results[n][key]["over_raw_mooncake_median"] = mbps / r["mb_per_s_median_of_reps"]
-    report = {"benchmark": "pd", "description": __doc__.split("\n\n")[0], "command": "python " + " ".join(sys.argv),
+    report = {"benchmark": "pd", "description": __doc__.split("\n\n")[0], "command": command_line(),
               "backend": args.backend, "model": "default (SmolLM2-135M-Instruct)", "draft_model": args.draft_model,
               "algorithm": args.algorithm, "spec_steps": args.spec_steps, "num_short": len(short),
               "short_prompt_tokens": [len(p) for p in short], "num_long": args.num_long, "long_len": args.long_len,

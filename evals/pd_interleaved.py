@@ -30,7 +30,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_prompt_sets
-from evals.harness.results import log, machine_info, median, versions, write_json
+from evals.harness.results import command_line, log, machine_info, median, versions, write_json
 from evals.harness.servers import transfer_backend
 from evals.harness.client import run_workload, summarize
 from evals.harness.servers import pd_cluster
@@ -134,7 +134,7 @@ def main() -> int:
         ratios[f"{n}_over_{ref}_tpot_p50_by_cycle"] = {"median": median(per), "min": min(per), "max": max(per),
                                                         "cycles": per, "below_1": sum(r < 1 for r in per)}
     report = {"benchmark": "pd_interleaved", "description": __doc__.split("\n\n")[0],
-              "command": "python " + " ".join(sys.argv), "backend": args.backend, "configs": names,
+              "command": command_line(), "backend": args.backend, "configs": names,
               "engine_args": {n: table[n][1] for n in names}, "num_requests": args.num_requests,
               "prompt_tokens_per_set": [[len(p) for p in ps] for ps in sets], "rate_req_per_s": args.rate,
               "max_tokens": args.max_tokens, "warm_passes": args.warm, "passes": passes, "ratios": ratios,

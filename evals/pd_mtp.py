@@ -28,11 +28,10 @@ import argparse
 import datetime
 import os
 import random
-import sys
 import tempfile
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 from evals.harness.servers import transfer_backend
 from evals.pd_mtp_model import build
 from evals.harness.client import kv_delta, run_workload, summarize
@@ -128,7 +127,7 @@ def main() -> None:
                             "ttft_p50_over_unified": r["ttft_p50_s"] / base["ttft_p50_s"]}
     from specpd import machine
     write_json(out, {"benchmark": "bench_mtp_pd", "description": __doc__.split("\n\n")[0],
-                     "command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+                     "command": command_line(), "date": datetime.date.today().isoformat(),
                      "machine": {**machine_info(), "cpu_isa": machine.isa(), "load_average_1_5_15": load}, **meta,
                      "model": {k: model[k] for k in ("parameters", "mtp_parameters", "damp", "config")},
                      "workload": {"prompts": args.num_prompts, "prompt_len": args.prompt_len,

@@ -25,7 +25,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_prompt_sets
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 
 import httpx
 
@@ -107,7 +107,7 @@ def main() -> int:
                                                        if None not in (r["rounds_off_share"], u["rounds_off_share"])]
                 summary[name][f"tau_over_{ref}"] = [r["tau"] / u["tau"] for r, u in pairs if r["tau"] and u["tau"]]
     write_json(args.out, {"benchmark": "pd_spec_repeat", "description": __doc__.split("\n\n")[0],
-                          "command": "python " + " ".join(sys.argv), "num_prompts": len(prompts),
+                          "command": command_line(), "num_prompts": len(prompts),
                           "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens,
                           "summary": summary, "runs": runs, **meta})
     log(f"wrote {args.out}")

@@ -61,7 +61,7 @@ GIL_HOLDER = {"unpinned": 0, "gil_holder_5ms": 5000, "gil_holder_0.5ms": 500}  #
 
 
 def measure(pages: int, calls: int, load: str) -> dict:
-    me = [sys.executable, os.path.abspath(__file__)]
+    me = [sys.executable, "-m", "evals.pd_transfer"]  # from the repository root, as this was started
     pinned = load in LOADS
     pin = (lambda core: ["taskset", "-c", core]) if pinned else (lambda core: [])  # noqa: E731
     recv = subprocess.Popen([*pin("1"), *me, "recv", str(pages), str(calls)], stdin=subprocess.PIPE,

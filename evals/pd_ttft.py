@@ -35,7 +35,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_sharegpt_prompts, real_text_prompts
-from evals.harness.results import log, machine_info, percentile, versions, write_json
+from evals.harness.results import command_line, log, machine_info, percentile, versions, write_json
 from evals.harness.servers import transfer_backend
 from evals.harness.client import kv_delta, one_request, stage_breakdown
 
@@ -245,7 +245,7 @@ def main() -> int:
             raw[name] = asyncio.run(run_phase(urls, short, long4k, load_prompts, args))
         summaries[name] = report_phase(name, raw[name])
         summaries[name]["pages_back_to_total"] = raw[name]["pages_back_to_total"]
-    report = {"benchmark": "pd_ttft", "description": __doc__.split("\n\n")[0], "command": "python " + " ".join(sys.argv),
+    report = {"benchmark": "pd_ttft", "description": __doc__.split("\n\n")[0], "command": command_line(),
               "method": __doc__.split("\n\n")[1], "backend": args.backend, "long_prompt_source": source,
               "args": vars(args), "summary": summaries, "raw": raw, "bench_wall_s": round(time.perf_counter() - t0, 1),
               "versions": versions(), "machine": machine_info()}

@@ -38,7 +38,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import real_text_prompts
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 from evals.prefix_cluster import CONFIGS, FAILURES, cluster, flush, send, snapshot
 from evals.prefix_report import plot, summarize
 
@@ -179,7 +179,7 @@ def build_report(args, rows_mt, rows_sp, convs, system_ids, source, questions, e
     # bytes of one page P sends (target + draft pools), from a turn without the cache
     off = next(r for r in rows_mt if r["config"] == "pd_off")
     page_bytes = off["kv_bytes"] // -(-off["prompt_tokens"] // page_size)
-    return {"benchmark": "prefix", "description": __doc__.split("\n\n")[0], "command": "python " + " ".join(sys.argv),
+    return {"benchmark": "prefix", "description": __doc__.split("\n\n")[0], "command": command_line(),
             "model": "default (SmolLM2-135M-Instruct)", "engine_args": engine_args, "page_size": page_size,
             "kv_page_bytes": page_bytes, "max_tokens": args.max_tokens, "reps": args.reps,
             "conversations": [{"id": c["id"], "turn_tokens": [len(tok.encode(t, add_special_tokens=False))

@@ -37,7 +37,7 @@ import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_sharegpt_prompts, real_text_prompts
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 from evals.soak_cluster import (RssSampler, pages_after_drain, roles_of, server_info, start_cluster, stop_cluster,
                                 wait_ready)
 from evals.soak_load import Load
@@ -75,7 +75,7 @@ def main() -> int:
     log_file = tempfile.NamedTemporaryFile("w+", prefix="specpd-soak-", suffix=".log", delete=False)
     t_boot = time.monotonic()
     proc, cmd, urls = start_cluster(args, log_file)
-    results = {"command": " ".join(["python", "-m", "evals.soak", *sys.argv[1:]]),
+    results = {"command": command_line(),
                "cluster_command": " ".join(["specpd", *cmd[cmd.index("serve"):]]), "args": vars(args),
                "machine": machine_info(), "versions": versions()}
     code = 1

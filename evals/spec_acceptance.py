@@ -26,7 +26,7 @@ import torch
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 from evals.harness.prompts import held_out_sharegpt_prompts, humaneval_prompts
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
@@ -156,7 +156,7 @@ def main() -> int:
                     f"{[round(a, 2) for a in r['accepted_at_depth']]}  ({r['wall_s']} s)")
     out = {"description": __doc__.split("\n\n")[0], "draft_model": args.draft_model, "draft_path": draft_path,
            "draft_config": read_draft_config(draft_path), "algorithm": args.algorithm,
-           "command": "python " + " ".join(sys.argv),
+           "command": command_line(),
            "prompts": {d: {"count": len(p), "mean_prompt_tokens": round(sum(map(len, p)) / len(p), 1)}
                        for d, p in datasets.items()},
            "max_tokens": args.max_tokens, "configs": {n: dict(zip(("steps", "topk", "draft_tokens"), CONFIGS[n]))

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 
 from specpd.config import EngineConfig
 from specpd.core import SamplingParams
@@ -125,7 +124,7 @@ def main() -> None:
     ap.add_argument("--pairs", default="1:1,3:1,1:3,3:3", help="P:D TP sizes for the descriptor count ('' skips)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tp.json"))
     args = ap.parse_args()
-    info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
+    info = {"machine": machine_info(), "versions": versions(), "command": command_line()}
     checkpoint = load_checkpoint("default")
     tok = checkpoint.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import httpx
 
-from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 from evals.harness.servers import launch
 
 from specpd.server.launch import free_port
@@ -48,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "tp_matrix.json"))
     args = ap.parse_args()
-    info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
+    info = {"machine": machine_info(), "versions": versions(), "command": command_line()}
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
     os.environ["SPECPD_AUTO_DTYPE"] = "float32"  # the servers inherit it: --dtype auto means fp32 here
     base = ["--model", "default", "--num-threads", "1", "--speculative-algorithm", "eagle3", "--draft-model",

@@ -53,6 +53,12 @@ def versions() -> dict:
             "specpd_uncommitted_files": [line[3:] for line in dirty.splitlines()] if dirty is not None else None}
 
 
+def command_line() -> str:
+    """How this run was started, as it reruns from the repository root: `python -m evals.<module> ARGS`."""
+    module = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT).removesuffix(".py").replace(os.sep, ".")
+    return " ".join(["python", "-m", module, *sys.argv[1:]])
+
+
 def _holds(data, keys: tuple[str, ...]) -> bool:
     """Whether any dict in `data` (dicts nested in dicts) has one of `keys` set."""
     level = [data]

@@ -67,3 +67,9 @@ def test_wait_healthy_names_a_server_that_exited_with_its_log():
         with pytest.raises(ServerStartError, match=r"(?s)peer exited with 3.*cannot bind"):
             wait_healthy(proc, f"http://127.0.0.1:{free_port()}", 30, "peer", log.name)
         stop_group(proc)
+
+
+def test_command_line_is_how_the_run_reruns_from_the_repository_root(monkeypatch):
+    from evals.harness.results import REPO_ROOT, command_line
+    monkeypatch.setattr("sys.argv", [os.path.join(REPO_ROOT, "evals", "pd.py"), "--quick", "--backend", "tcp"])
+    assert command_line() == "python -m evals.pd --quick --backend tcp"

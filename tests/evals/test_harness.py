@@ -55,8 +55,11 @@ def test_stop_group_stops_the_leader_and_its_children():
 
 
 def test_stop_group_kills_a_leader_that_ignores_the_first_signal():
-    with tempfile.TemporaryFile("w+") as log:
-        proc = start_group(["bash", "-c", "trap '' INT; sleep 300 & wait; sleep 300"], log)
+    with tempfile.NamedTemporaryFile("w+") as log:
+        proc = start_group(["bash", "-c", "trap '' INT; echo ready; sleep 300 & wait; sleep 300"], log)
+        deadline = time.monotonic() + 30
+        while "ready" not in open(log.name).read() and time.monotonic() < deadline:  # the trap is set
+            time.sleep(0.05)
         assert stop_group(proc, signal.SIGINT, grace_s=0.5, leader_only=True) == "SIGKILL (no exit 0 s after SIGINT)"
         assert not _alive(proc.pid)
 

@@ -51,7 +51,7 @@ test: install
 	test $$a -eq 0 -a $$b -eq 0 -a $$c -eq 0
 
 bench: install
-	$(BIN)/python evals/bench_offline.py
+	$(BIN)/python -m evals.engine_offline
 
 # The peers evals/bench_peers.py measures specpd against, each in a venv of its own under .peers/ (never part
 # of install or CI). vLLM's CPU build pins torch==2.13.0: it is installed first from the local wheel, so pip

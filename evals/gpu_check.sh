@@ -12,7 +12,7 @@
 #      against eager forward by forward and token for token, speculation exact on the device, PD with KV in GPU
 #      memory over Mooncake where staged; the sm_90 compile test; FlashInfer where installed) with
 #      TRITON_INTERPRET=0 (TEST_TIMEOUT, default 270 s);
-#   3. evals/bench_gpu.py (BENCH_TIMEOUT, default 210 s): decode steps b1 / b32 with and without graphs, a verify
+#   3. evals/gpu.py (BENCH_TIMEOUT, default 210 s): decode steps b1 / b32 with and without graphs, a verify
 #      forward, EAGLE-3 chat c1 and n-gram grounded c1 against plain (staged weights only), PD against unified,
 #      graphs against eager tokens, each target judged -> OUT/gpu.json (written cell by cell: a timeout keeps
 #      what was measured).
@@ -67,7 +67,7 @@ grep -E "passed|failed|error" "$out/gpu_tests.log" | tail -3
 
 # 3. the bench
 # BENCH_EXTRA: more flags (a dry run of this script on a CPU: BENCH_EXTRA=--smoke PYTHON=.venv/bin/python)
-timeout "${BENCH_TIMEOUT:-210}" $py evals/bench_gpu.py ${bench_args[@]+"${bench_args[@]}"} ${BENCH_EXTRA:-} \
+timeout "${BENCH_TIMEOUT:-210}" $py -m evals.gpu ${bench_args[@]+"${bench_args[@]}"} ${BENCH_EXTRA:-} \
   --out "$out/gpu.json" > "$out/gpu_bench.log" 2>&1
 echo "bench rc=$?" | tee -a "$out/gpu_env.txt"
 tail -40 "$out/gpu_bench.log"

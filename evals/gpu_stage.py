@@ -1,12 +1,12 @@
 """Packs what the GPU check needs beyond the repository into parts a device call can carry.
 
 A device call carries the repository (~42 MiB, the shipped heads most of it) and at most 64 MiB in all, and the
-device has no network. What evals/bench_gpu.py's speculation and PD cells need is larger: the default model's GGUF
+device has no network. What evals/gpu.py's speculation and PD cells need is larger: the default model's GGUF
 (94 MB), the held-out chat and grounded prompts (token ids of the default tokenizer: the dataset package is not
 there), and wheels its image lacks (gguf for the GGUF; with --wheels pyzmq and Mooncake's CUDA build, ~98 MB, for PD
 with KV in GPU memory). They go into one tar, split into parts under .gpu_stage/ (git-ignored), with a manifest:
 
-    python evals/gpu_stage.py [--wheels] [--part-mib 20]
+    python -m evals.gpu_stage [--wheels] [--part-mib 20]
 
 Then, in a session lent a GPU, one device call per part, back to back while the machine stays warm (each part is
 appended under /tmp/specpd-stage there), then the check, which reassembles and verifies the tar first:
@@ -29,9 +29,8 @@ import tarfile
 import tempfile
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
 
-from common import REPO_ROOT  # noqa: E402
+from evals.harness.results import REPO_ROOT
 
 STAGE_DIR = os.path.join(REPO_ROOT, ".gpu_stage")
 WHEEL_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
@@ -42,7 +41,7 @@ NUM_PROMPTS = 16
 
 
 def prompts() -> dict[str, list[list[int]]]:
-    from spec_workloads import chat_prompts, grounded_prompts
+    from evals.spec_workloads import chat_prompts, grounded_prompts
 
     from specpd.model.loader import load_checkpoint
     tokenizer = load_checkpoint("default").tokenizer

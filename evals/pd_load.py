@@ -18,9 +18,9 @@ every 50 ms during the burst (`p_heartbeat_ms`: p50 / p99 / max, this case only)
 the CPU's ISA (`specpd.machine.isa()`) and the code path it was forced to, if any (`forced`: the variables of
 FORCE_AVX2 found in the environment).
 
-  python evals/pd_load.py                      # -> evals/results/pd_load.json
-  python evals/pd_load.py --out /tmp/x.json --sizes 32 --busy 0      # one quick case
-  python evals/pd_load.py --merge before=OLD.json --merge avx2_forced=AVX2.json   # other runs under those keys
+  python -m evals.pd_load                      # -> evals/results/pd_load.json
+  python -m evals.pd_load --out /tmp/x.json --sizes 32 --busy 0      # one quick case
+  python -m evals.pd_load --merge before=OLD.json --merge avx2_forced=AVX2.json   # other runs under those keys
 
 The AVX2 code path on an AVX-512 box (the closest this box comes to issue 63's AVX2 EPYC): run with FORCE_AVX2
 in the environment. The C kernels are then built for x86-64-v3 (AVX2, no AVX-512: the project's GEMM kernels and
@@ -50,14 +50,13 @@ import threading
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import (held_out_sharegpt_prompts, keep_logs, log, machine_info, real_text_prompts, versions,  # noqa: E402
-                    write_json)
+from evals.harness.prompts import held_out_sharegpt_prompts, real_text_prompts
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.harness.servers import keep_logs
 
-import httpx  # noqa: E402
+import httpx
 
-from specpd.server.launch import free_port, serve_processes  # noqa: E402
+from specpd.server.launch import free_port, serve_processes
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 BUSY_LOOP = "while True: pass"
@@ -215,7 +214,7 @@ def main() -> int:
     given = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("sizes", "busy", "long_len", "max_tokens")
              if getattr(args, k) != ap.get_default(k)]
     given += [f"--serve-args '{args.serve_args}'"] if args.serve_args != ap.get_default("serve_args") else []
-    results = {"command": " ".join(["python evals/pd_load.py", *given]),
+    results = {"command": " ".join(["python -m evals.pd_load", *given]),
                "serve_command": " ".join(["specpd serve --disagg 1p1d", args.serve_args]), "label": args.label,
                "isa": isa(), "forced": forced, "max_tokens": args.max_tokens, "long_len": args.long_len,
                "machine": machine_info(), "versions": versions(), "cases": []}

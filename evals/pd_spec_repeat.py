@@ -14,7 +14,7 @@ verify count of every request, the calibrated cost table (clock, 1..16 rows) and
 Summary per config: the share's min / max over restarts, and each PD config's share and tau against both unified
 configs', restart by restart.
 
-  python evals/pd_spec_repeat.py --restarts 3     # -> evals/results/pd_spec_repeat.json
+  python -m evals.pd_spec_repeat --restarts 3     # -> evals/results/pd_spec_repeat.json
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ import sys
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [EVALS_DIR, os.path.dirname(EVALS_DIR)]
-from common import held_out_prompt_sets, log, machine_info, versions, write_json  # noqa: E402
+from evals.harness.prompts import held_out_prompt_sets
+from evals.harness.results import command_line, log, machine_info, versions, write_json
 
-import httpx  # noqa: E402
+import httpx
 
-from specpd.machine import split_cores, usable_cores  # noqa: E402
-from specpd.server.launch import free_port, serve_processes  # noqa: E402
+from specpd.machine import split_cores, usable_cores
+from specpd.server.launch import free_port, serve_processes
 
 SPEC = ["--model", "default", "--speculative-algorithm", "eagle3", "--draft-model", "default"]
 
@@ -107,7 +107,7 @@ def main() -> int:
                                                        if None not in (r["rounds_off_share"], u["rounds_off_share"])]
                 summary[name][f"tau_over_{ref}"] = [r["tau"] / u["tau"] for r, u in pairs if r["tau"] and u["tau"]]
     write_json(args.out, {"benchmark": "pd_spec_repeat", "description": __doc__.split("\n\n")[0],
-                          "command": "python " + " ".join(sys.argv), "num_prompts": len(prompts),
+                          "command": command_line(), "num_prompts": len(prompts),
                           "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens,
                           "summary": summary, "runs": runs, **meta})
     log(f"wrote {args.out}")

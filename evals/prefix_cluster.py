@@ -1,4 +1,4 @@
-"""The servers of evals/bench_prefix.py and its client: the five configurations (unified and 1P1D, prefix cache
+"""The servers of evals/prefix.py and its client: the five configurations (unified and 1P1D, prefix cache
 on and off, and 1P1D with every turn on the P path) started at once, and one streamed chat request sent to one
 of them with the servers' counters read before and after.
 """
@@ -9,9 +9,9 @@ import json
 import time
 
 import httpx
-from common import keep_logs, log
 
-from specpd.server.launch import free_port, serve_processes
+from evals.harness.results import log
+from evals.harness.servers import free_port, keep_logs, serve_processes
 
 CONFIGS = ("unified_on", "unified_off", "pd_on", "pd_off", "pd_on_p")
 # on / off pairs compared; pd_on_p: D never prefills locally (--pd-local-prefill-tokens 0), so every turn goes

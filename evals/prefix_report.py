@@ -1,10 +1,10 @@
-"""What evals/bench_prefix.py makes of its rows: per configuration TTFT (first turn, later turns), hit rate,
+"""What evals/prefix.py makes of its rows: per configuration TTFT (first turn, later turns), hit rate,
 tokens computed on P and D, KV pages sent against the pages D lacked, tau; on / off ratios; the figure.
 """
 from __future__ import annotations
 
-from common import log, percentile
-from prefix_cluster import CONFIGS, PAIRS
+from evals.harness.results import log, percentile
+from evals.prefix_cluster import CONFIGS, PAIRS
 
 
 def tau(rows: list[dict]) -> float | None:

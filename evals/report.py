@@ -65,7 +65,7 @@ def provenance(data: dict, path: str) -> dict:
     command = command[0] if isinstance(command, list) else command
     if command:
         command = re.sub(r"\s--out\s+\S+", "", command)  # renamed to its canonical name since
-        command = command if command.startswith(("python", "specpd", "bash")) else f"python {command}"
+        command = rerun(command if command.startswith(("python", "specpd", "bash")) else f"python {command}")
     date = _find(data, ("date", "load_start_utc"))
     commit = str(commit)[:7] if commit and re.match(r"[0-9a-f]{7}", str(commit)) else commit
     args = None if command else {k: v for k, v in (_find(data, ("args",)) or {}).items() if k != "out"} or None
@@ -73,6 +73,22 @@ def provenance(data: dict, path: str) -> dict:
                                                    threads and f"{threads} torch threads") if x) or "?",
             "commit": commit or "?", "command": command, "args": args,
             "date": str(date)[:10] if date else _git_date(commit, path)}
+
+
+# scripts renamed when evals/ became a package (issue 65): old name -> module, for the commands files recorded
+RENAMED = {"acceptance": "spec_acceptance", "bench_attention": "kernels_attention", "bench_gemm": "kernels_gemm",
+           "bench_gemm_kernel": "kernels_gemm_kernel", "bench_gemm_q": "kernels_gemm_q", "bench_gpu": "gpu",
+           "bench_hf": "engine_hf", "bench_mtp_pd": "pd_mtp", "bench_offline": "engine_offline", "bench_pd": "pd",
+           "bench_pd_interleaved": "pd_interleaved", "bench_pd_ttft": "pd_ttft", "bench_prefix": "prefix",
+           "bench_spec": "spec", "bench_structured": "engine_structured", "bench_tp": "tp",
+           "draft_scaling": "spec_draft_scaling", "probe_overlap": "engine_overlap", "profile_depth0": "spec_depth0",
+           "profile_spec_round": "spec_round_cost", "profile_step": "engine_step", "quant_e2e": "engine_quant",
+           "transfer_under_load": "pd_transfer", "tune_spec_defaults": "spec_tuning"}
+
+
+def rerun(command: str) -> str:
+    """A recorded `python evals/<script>.py ARGS` as it runs today: `python -m evals.<module> ARGS`."""
+    return re.sub(r"(python\S*\s+)evals/(\w+)\.py\b", lambda m: f"{m[1]}-m evals.{RENAMED.get(m[2], m[2])}", command)
 
 
 @dataclass(frozen=True)
@@ -89,57 +105,57 @@ RESULTS = [
            "the shipped head, n-gram; bf16 and fp32; chat and grounded rewrite; concurrency 1, 8, 32", peers),
     Result("peers_spec.json", "bench_peers.py", "EAGLE-3 with the defaults against plain, through the server "
            "(issue 32's target)", peers_spec),
-    Result("hf_generate.json", "bench_hf.py", "plain decoding against HF transformers' `generate`, one request at "
+    Result("engine_hf.json", "engine_hf.py", "plain decoding against HF transformers' `generate`, one request at "
            "a time, same weights", hf_generate),
-    Result("profile_step.json", "profile_step.py", "one decode / verify step against the floor (bytes a step "
+    Result("engine_step.json", "engine_step.py", "one decode / verify step against the floor (bytes a step "
            "must read over the measured bandwidth)", profile_step),
-    Result("spec_workloads.json", "bench_spec.py", "speculation over plain in the engine, engines in lockstep "
-           "(`evals/bench_spec.py --workloads --lockstep`)", spec_workloads),
-    Result("spec.json", "bench_spec.py", "the verify path's ceiling: replayed drafts with known acceptance"),
-    Result("spec_trained.json", "bench_spec.py", "the shipped head's speed in the engine, fixed depth",
-           command="python evals/bench_spec.py --draft-model default"),
-    Result("spec_tuning.json", "tune_spec_defaults.py", "tree shapes tried for the defaults (AVX-512/AMX box)"),
-    Result("spec_tuning_avx2.json", "tune_spec_defaults.py", "tree shapes tried for the defaults (AVX2 box)"),
-    Result("acceptance.json", "acceptance.py", "τ of the shipped EAGLE-3 head, held-out ShareGPT and HumanEval",
-           acceptance),
-    Result("acceptance_mtp.json", "acceptance.py", "τ of the shipped MTP module, same prompts", acceptance),
-    Result("draft_scaling.json", "draft_scaling.py", "τ against the head's training tokens"),
-    Result("pd_serve_defaults.json", "bench_pd.py", "1P1D as `make serve` runs it, spec against non-spec, both "
+    Result("spec_workloads.json", "spec.py", "speculation over plain in the engine, engines in lockstep "
+           "(`python -m evals.spec --workloads --lockstep`)", spec_workloads),
+    Result("spec.json", "spec.py", "the verify path's ceiling: replayed drafts with known acceptance"),
+    Result("spec_trained.json", "spec.py", "the shipped head's speed in the engine, fixed depth",
+           command="python -m evals.spec --draft-model default"),
+    Result("spec_tuning.json", "spec_tuning.py", "tree shapes tried for the defaults (AVX-512/AMX box)"),
+    Result("spec_tuning_avx2.json", "spec_tuning.py", "tree shapes tried for the defaults (AVX2 box)"),
+    Result("spec_acceptance.json", "spec_acceptance.py", "τ of the shipped EAGLE-3 head, held-out ShareGPT and "
+           "HumanEval", acceptance),
+    Result("spec_acceptance_mtp.json", "spec_acceptance.py", "τ of the shipped MTP module, same prompts", acceptance),
+    Result("spec_draft_scaling.json", "spec_draft_scaling.py", "τ against the head's training tokens"),
+    Result("pd_serve_defaults.json", "pd.py", "1P1D as `make serve` runs it, spec against non-spec, both "
            "draft modes", pd),
-    Result("pd.json", "bench_pd.py", "1P1D against unified serving, KV transfer rates", pd),
-    Result("pd_interleaved.json", "bench_pd_interleaved.py", "PD spec against non-spec, clusters up at once, "
+    Result("pd.json", "pd.py", "1P1D against unified serving, KV transfer rates", pd),
+    Result("pd_interleaved.json", "pd_interleaved.py", "PD spec against non-spec, clusters up at once, "
            "passes interleaved"),
-    Result("pd_ttft.json", "bench_pd_ttft.py", "PD time to first token against unified at equal prefill compute, "
+    Result("pd_ttft.json", "pd_ttft.py", "PD time to first token against unified at equal prefill compute, "
            "with the breakdown", pd_ttft),
-    Result("pd_ttft_decode_only.json", "bench_pd_ttft.py", "the same, draft-on-decode-only", pd_ttft),
-    Result("bench_mtp_pd.json", "bench_mtp_pd.py", "a DeepSeek-V3-shaped MoE (MLA) with its own MTP layer: 1P1D "
+    Result("pd_ttft_decode_only.json", "pd_ttft.py", "the same, draft-on-decode-only", pd_ttft),
+    Result("pd_mtp.json", "pd_mtp.py", "a DeepSeek-V3-shaped MoE (MLA) with its own MTP layer: 1P1D "
            "in both draft modes against the unified server, τ, TTFT, TPOT", bench_mtp_pd),
     Result("pd_spec_repeat.json", "pd_spec_repeat.py", "does D speculate as often as unified, over restarts"),
     Result("pd_load.json", "pd_load.py", "a 1P1D cluster under a burst with long prompts and a busy neighbour: "
            "failures, pages back, heartbeats", pd_load),
-    Result("transfer_under_load.json", "transfer_under_load.py", "raw Mooncake loopback rates with and without "
+    Result("pd_transfer.json", "pd_transfer.py", "raw Mooncake loopback rates with and without "
            "load"),
-    Result("prefix.json", "bench_prefix.py", "prefix caching on and off, unified and 1P1D, multi-turn", prefix),
-    Result("structured.json", "bench_structured.py", "JSON-schema output: mask cost, τ with a grammar",
+    Result("prefix.json", "prefix.py", "prefix caching on and off, unified and 1P1D, multi-turn", prefix),
+    Result("engine_structured.json", "engine_structured.py", "JSON-schema output: mask cost, τ with a grammar",
            structured),
-    Result("tp.json", "bench_tp.py", "TP 1 against TP 3 on this box, the all-reduce share, KV descriptors per "
+    Result("tp.json", "tp.py", "TP 1 against TP 3 on this box, the all-reduce share, KV descriptors per "
            "page for each P→D TP pair", tp),
     Result("tp_matrix.json", "tp_matrix.py", "every P→D TP pair, draft mode and tree shape against unified TP 1",
            tp_matrix),
-    Result("offline.json", "bench_offline.py", "the offline engine against HF `generate`", offline),
-    Result("attention.json", "bench_attention.py", "the CPU paged-attention kernel against an earlier commit",
+    Result("engine_offline.json", "engine_offline.py", "the offline engine against HF `generate`", offline),
+    Result("kernels_attention.json", "kernels_attention.py", "the CPU paged-attention kernel against an earlier commit",
            attention),
-    Result("gemm.json", "bench_gemm.py", "GEMM paths (oneDNN, MKL, the few-row kernel) by rows and threads"),
-    Result("gemm_kernel.json", "bench_gemm_kernel.py", "the few-row GEMM kernel against an earlier commit, one "
-           "forward's linears by rows", gemm_kernel),
-    Result("profile_spec_round.json", "profile_spec_round.py", "a speculative round at batch 1 against a plain step, "
+    Result("kernels_gemm.json", "kernels_gemm.py", "GEMM paths (oneDNN, MKL, the few-row kernel) by rows and threads"),
+    Result("kernels_gemm_kernel.json", "kernels_gemm_kernel.py", "the few-row GEMM kernel against an earlier "
+           "commit, one forward's linears by rows", gemm_kernel),
+    Result("spec_round_cost.json", "spec_round_cost.py", "a speculative round at batch 1 against a plain step, "
            "and the adaptive policy against every round at the full tree", profile_spec_round),
-    Result("profile_depth0.json", "profile_depth0.py", "where a spec engine's step goes when it does not "
+    Result("spec_depth0.json", "spec_depth0.py", "where a spec engine's step goes when it does not "
            "speculate", profile_depth0),
-    Result("overlap.json", "probe_overlap.py", "host work beside the forward against the same work after it: would "
-           "an overlap scheduler pay here", overlap),
+    Result("engine_overlap.json", "engine_overlap.py", "host work beside the forward against the same work after "
+           "it: would an overlap scheduler pay here", overlap),
     Result("soak.json", "soak.py", "30 minutes of mixed load through the supervised cluster", soak),
-    Result("gpu.json", "bench_gpu.py", "the engine on one H200 (random weights, SmolLM2's shape)", gpu),
+    Result("gpu.json", "gpu.py", "the engine on one H200 (random weights, SmolLM2's shape)", gpu),
 ]
 
 
@@ -153,7 +169,7 @@ def load(file: str) -> dict:
 def described(r: Result) -> dict:
     """provenance() of r's file, its command falling back to what RESULTS says, then to the bare script."""
     p = provenance(load(r.file), os.path.join(RESULTS_DIR, r.file))
-    p["command"] = p["command"] or r.command or f"python evals/{r.script}"
+    p["command"] = p["command"] or r.command or f"python -m evals.{r.script.removesuffix('.py')}"
     return p
 
 
@@ -164,7 +180,7 @@ def section(r: Result) -> str:
              *([f"- arguments recorded: `{json.dumps(p['args'], separators=(',', ':'))}`"] if p["args"] else []),
              f"- machine: {p['machine']}", f"- commit: {p['commit']}", f"- date: {p['date']}"]
     for recheck in data.get("rechecks", []):
-        command = re.sub(r"\s--out\s+\S+", "", recheck["command"])
+        command = rerun(re.sub(r"\s--out\s+\S+", "", recheck["command"]))
         lines.append(f"- recheck (`{command}`): {recheck['why']}")
     if os.path.exists(os.path.join(RESULTS_DIR, plot)):
         lines.append(f"- plot: [{plot}](../evals/results/{plot})")
@@ -187,10 +203,14 @@ def render_benchmarks() -> str:
     import ast
     lines = ["# Benchmarks", "", "Every benchmark under `evals/` (generated by `python -m evals.report` from each "
              "script's docstring and its canonical result file). Speed is measured by these, never by timed "
-             "tests; ratios are taken side by side in one run, interleaved, with the spread. Run one with "
-             "`.venv/bin/python evals/<script>` after `make install`; the peers (vLLM's CPU build, llama.cpp) "
-             "come from `make peers`; on a GPU, `bash evals/gpu_check.sh OUT` runs the device tests and "
-             "`evals/bench_gpu.py`. Current numbers: [results.md](results.md).", ""]
+             "tests; ratios are taken side by side in one run, interleaved, with the spread. Each is a module "
+             "`evals/<subject>_<what>.py` (`evals/<subject>.py` for a subject's main one; subjects: peers, spec, "
+             "pd, prefix, tp, soak, gpu, kernels, engine) that writes `evals/results/<module>.json` "
+             "(`<module>_<variant>.json` for a mode or box it records apart); what they share (servers, the "
+             "streaming client, prompts, the result writer) is `evals/harness/`. Run one from the repository root "
+             "with `.venv/bin/python -m evals.<module>` after `make install`; the peers (vLLM's CPU build, "
+             "llama.cpp) come from `make peers`; on a GPU, `bash evals/gpu_check.sh OUT` runs the device tests and "
+             "`python -m evals.gpu`. Current numbers: [results.md](results.md).", ""]
     for script in sorted(f for f in os.listdir(os.path.join(ROOT, "evals")) if f.endswith(".py")):
         with open(os.path.join(ROOT, "evals", script)) as f:
             source = f.read()

@@ -1,7 +1,7 @@
 """Soak: a bounded mixed-load run through a 1P1D speculative cluster that this script starts itself.
 
-  python evals/soak.py                  # 30 min of load -> evals/results/soak.json, evals/results/soak.png
-  python evals/soak.py --minutes 8      # a short run
+  python -m evals.soak                  # 30 min of load -> evals/results/soak.json, evals/results/soak.png
+  python -m evals.soak --minutes 8      # a short run
 
 The cluster: `specpd serve --disagg 1p1d --model default --speculative-algorithm eagle3 --draft-model default`
 (plus --serve-args) as a child process on free 127.0.0.1 ports, `--max-request-bytes` set small (1 MiB by
@@ -36,13 +36,12 @@ import tempfile
 import time
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-sys.path[:0] = [EVALS_DIR, REPO]
-from common import held_out_sharegpt_prompts, log, machine_info, real_text_prompts, versions, write_json  # noqa: E402
-from soak_cluster import (RssSampler, pages_after_drain, roles_of, server_info, start_cluster,  # noqa: E402
-                          stop_cluster, wait_ready)
-from soak_load import Load  # noqa: E402
-from soak_report import plot, summarize  # noqa: E402
+from evals.harness.prompts import held_out_sharegpt_prompts, real_text_prompts
+from evals.harness.results import command_line, log, machine_info, versions, write_json
+from evals.soak_cluster import (RssSampler, pages_after_drain, roles_of, server_info, start_cluster, stop_cluster,
+                                wait_ready)
+from evals.soak_load import Load
+from evals.soak_report import plot, summarize
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")
 
@@ -76,7 +75,7 @@ def main() -> int:
     log_file = tempfile.NamedTemporaryFile("w+", prefix="specpd-soak-", suffix=".log", delete=False)
     t_boot = time.monotonic()
     proc, cmd, urls = start_cluster(args, log_file)
-    results = {"command": " ".join(["python", "evals/soak.py", *sys.argv[1:]]),
+    results = {"command": command_line(),
                "cluster_command": " ".join(["specpd", *cmd[cmd.index("serve"):]]), "args": vars(args),
                "machine": machine_info(), "versions": versions()}
     code = 1

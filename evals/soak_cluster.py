@@ -1,20 +1,18 @@
 """The cluster evals/soak.py runs its load through: `specpd serve --disagg 1p1d ...` started as a child process
-(and stopped: SIGINT, then SIGKILL to its process group), its processes' RSS sampled, its free pages read back.
+(evals.harness.servers; stopped with SIGINT, then SIGKILL to its process group), its processes' RSS sampled, its
+free pages read back.
 """
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 
-from specpd.server.launch import free_port
+from evals.harness.servers import free_port, start_group, stop_group, wait_healthy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_CMD = ["--disagg", "1p1d", "--model", "default", "--speculative-algorithm", "eagle3", "--draft-model", "default"]
 
 
@@ -23,47 +21,20 @@ def start_cluster(args, log_file):
     cmd = [sys.executable, "-m", "specpd", "serve", *BASE_CMD, "--host", "127.0.0.1", "--port", str(port),
            "--prefill-port", str(p_port), "--decode-port", str(d_port), "--bootstrap-port", str(boot),
            "--max-request-bytes", str(args.max_request_bytes), "--log-level", "warning", *args.serve_args.split()]
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OPENBLAS_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = start_group(cmd, log_file, env={"OPENBLAS_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR"})
     urls = {"router": f"http://127.0.0.1:{port}", "prefill": f"http://127.0.0.1:{p_port}",
             "decode": f"http://127.0.0.1:{d_port}"}
     return proc, cmd, urls
 
 
 def wait_ready(proc, router: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launcher exited with {proc.returncode}")
-        try:
-            if httpx.get(router + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"cluster not healthy after {timeout_s} s")
+    wait_healthy(proc, router, timeout_s, "launcher", poll_s=1.0)
 
 
 def stop_cluster(proc) -> dict:
+    """SIGINT to the launcher (it stops its children), then SIGKILL to what is left of its process group."""
     t0 = time.monotonic()
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-            how = "SIGINT"
-        except subprocess.TimeoutExpired:
-            how = "SIGKILL (no exit 30 s after SIGINT)"
-    else:
-        how = f"already exited ({proc.returncode})"
-    try:  # anything of its group still alive (children it did not reap)
-        os.killpg(proc.pid, signal.SIGKILL)
-        if how == "SIGINT":
-            how = "SIGINT (process-group leftovers then SIGKILLed)"
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+    how = stop_group(proc, signal.SIGINT, grace_s=30, leader_only=True)
     return {"how": how, "returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 2)}
 
 

@@ -10,7 +10,7 @@ import random
 import time
 
 import httpx
-from common import log
+from evals.harness.results import log
 
 EXPECTED = ("disconnect", "abort", "bad", "oversize")
 

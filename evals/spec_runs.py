@@ -1,14 +1,14 @@
-"""The replay bench's runner, shared by evals/bench_spec.py and evals/spec_trained.py: one engine per config,
+"""The replay bench's runner, shared by evals/spec.py and evals/spec_trained.py: one engine per config,
 every config run rep by rep in a rotating order, the per-config summaries and the ratios to the base config.
 
-CONFIGS are bench_spec.py's replay configs (SPEC_STEPS: their speculative steps).
+CONFIGS are spec.py's replay configs (SPEC_STEPS: their speculative steps).
 """
 from __future__ import annotations
 
 import os
 import time
 
-from common import log, median
+from evals.harness.results import log, median
 
 from specpd.config import CacheConfig, EngineConfig, SpecConfig
 from specpd.core import SamplingParams

@@ -1,4 +1,4 @@
-"""`python evals/bench_spec.py --draft-model default`: a trained draft head vs no speculation, wall clock.
+"""`python -m evals.spec --draft-model default`: a trained draft head vs no speculation, wall clock.
 
 Held-out ShareGPT prompts (never trained on; first human turn, chat-rendered), greedy, ignore_eos so every
 config generates the same number of tokens; batch 1 and 8; configs interleaved rep by rep in a rotating
@@ -10,8 +10,9 @@ import os
 import time
 
 import torch
-from common import held_out_sharegpt_prompts, log, machine_info, versions, write_json
-from spec_runs import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
+from evals.harness.prompts import held_out_sharegpt_prompts
+from evals.harness.results import log, machine_info, versions, write_json
+from evals.spec_runs import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
 
 from specpd.config import SpecConfig
 from specpd.draft.loader import read_draft_config, resolve_draft_path

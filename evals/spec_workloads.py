@@ -1,5 +1,5 @@
 """Speculation that pays: decode tokens/s of every drafter vs non-spec on three workloads
-(`python evals/bench_spec.py --workloads` -> evals/results/spec_workloads.json + .png).
+(`python -m evals.spec --workloads` -> evals/results/spec_workloads.json + .png).
 
 Workloads (held-out ShareGPT never trained on; chat-rendered; greedy, EOS honoured):
   chat      the first human turn of held-out conversations
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from common import chat_prompt, humaneval_prompts, log, machine_info, median, versions, write_json
+from evals.harness.prompts import chat_prompt, humaneval_prompts
+from evals.harness.results import log, machine_info, median, versions, write_json
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams

@@ -1,6 +1,6 @@
 """Acceptance across P/D tensor-parallel sizes: every pair x draft mode x draft shape against unified TP 1.
 
-`python evals/tp_matrix.py [--pairs 1:1,1:3,3:1,3:3] [--max-tokens 32]` -> evals/results/tp_matrix.json
+`python -m evals.tp_matrix [--pairs 1:1,1:3,3:1,3:3] [--max-tokens 32]` -> evals/results/tp_matrix.json
 The default model with the shipped EAGLE-3 head, the pinned policy (`--spec-adaptive-pinned`: the same rounds
 whatever the timings), greedy, fp32 (exact comparisons; bf16 TP sums round otherwise than TP 1's GEMM), KV over
 tcp. For each draft shape (a chain of 3, and the default hybrid tree) the unified TP 1 engine answers the
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import log, machine_info, versions, write_json  # noqa: E402
-from pd_servers import launch  # noqa: E402
+from evals.harness.results import command_line, log, machine_info, versions, write_json
+from evals.harness.servers import launch
 
-from specpd.server.launch import free_port  # noqa: E402
+from specpd.server.launch import free_port
 
 QUESTIONS = ["What is the capital of France, and what is it known for?",
              "Write a Python function that returns the n-th Fibonacci number.",
@@ -49,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "tp_matrix.json"))
     args = ap.parse_args()
-    info = {"machine": machine_info(), "versions": versions(), "command": " ".join(sys.argv)}
+    info = {"machine": machine_info(), "versions": versions(), "command": command_line()}
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.pairs.split(",")]
     os.environ["SPECPD_AUTO_DTYPE"] = "float32"  # the servers inherit it: --dtype auto means fp32 here
     base = ["--model", "default", "--num-threads", "1", "--speculative-algorithm", "eagle3", "--draft-model",

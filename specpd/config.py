@@ -206,7 +206,7 @@ SPEC_ALGORITHMS = ("none", "eagle", "eagle3", "mtp", "ngram", "replay")
 MODEL_FREE_ALGORITHMS = ("ngram", "replay")  # no draft model, no draft KV, nothing for P to run
 EAGLE_FAMILY = ("eagle", "eagle3", "mtp")  # a draft model over the target's hidden states; hybrid by default
 DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
-# (num_steps, topk, num_draft_tokens) when the user gives none of them: the shapes evals/tune_spec_defaults.py
+# (num_steps, topk, num_draft_tokens) when the user gives none of them: the shapes evals/spec_tuning.py
 # chose on training-split prompts at the served thread count (spec_tuning*.json, docs/results.md); adaptive
 # speculation then trims each round per request. "hybrid" is the EAGLE family's default (the head's tree with
 # n-gram candidates merged); the head alone (--no-spec-ngram) takes its own shape; eagle, with no shipped head,
@@ -214,7 +214,7 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (2, 4, 6), "replay": (4, 1, 5)}
 # n-gram drafting alone on a CPU without AMX (AVX512-BF16 / AVX2): there a b1 forward streams the weights while a
-# few-row one multiplies them, so each verify row costs compute (profile_spec_round.json) and a chain of 8 at min
+# few-row one multiplies them, so each verify row costs compute (spec_round_cost.json) and a chain of 8 at min
 # match 1 beats a tree; with AMX a row is nearly free and DEFAULT_SHAPES["ngram"]'s tree stays
 NGRAM_SHAPE_ROWS_COST = (8, 1, 9)
 

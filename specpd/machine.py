@@ -72,7 +72,7 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     2 MiB-aligned interior; where THP is `madvise`, the default on Debian, nothing gets them otherwise). Call it
     before the memory is first touched. Returns the bytes advised: 0 where the OS cannot (not Linux, THP off).
     The KV pool takes it: attention reads each sequence's K/V in 4 KB blocks at scattered pages, one TLB miss
-    each on 4 KB pages, which huge pages avoid (profile_step.json)."""
+    each on 4 KB pages, which huge pages avoid (engine_step.json)."""
     if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or not huge_pages_wanted():
         return 0
     start, length = _interior(address, nbytes)
@@ -156,7 +156,7 @@ def collapse_later_in_background(busy=None, duty: float = 0.5) -> threading.Thre
     specpd beside itself make them, each collapsed while the other decoded, and a third of the EAGLE engine's
     verify forwards ran slow beside the plain engine's collapse): one chunk at a time, each followed by a pause
     so that the thread compacts at most `duty` of a core; a request arriving waits at most for one chunk's
-    collapse, 8 MiB. A KV pool on 4 KB pages slows a wide decode step's attention (profile_step.json), and
+    collapse, 8 MiB. A KV pool on 4 KB pages slows a wide decode step's attention (engine_step.json), and
     khugepaged alone collapses 16 MiB per 10 s: tens of minutes for the default model's. None when
     there is nothing to do, or SPECPD_HUGE_PAGES_LATER=0 (the test suite: its servers' timings stay their own);
     the kernel keeps the memory's contents through a collapse."""

@@ -18,7 +18,7 @@ import gen_configuration  # noqa: E402
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                                if f.endswith(".md"))
 FLAG = re.compile(r"(?<![\w=-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
-SCRIPT = re.compile(r"evals/(\w+)\.py")
+SCRIPT = re.compile(r"evals/(\w+)\.py|-m evals\.(\w+)")  # a benchmark by its path, or run as a module
 # commands whose flags are not specpd's: other tools, and the peers' own flags (vLLM, SGLang) named beside ours
 OTHER_TOOLS = ("pytest", "pip ", "git ", "curl ", "make ", "vllm", "sglang", "SGLang", "vLLM", "llama")
 
@@ -67,7 +67,7 @@ def test_flags_named_exist(page, specpd_flags):
         flags = set(FLAG.findall(span))
         if not flags or any(tool in span for tool in OTHER_TOOLS):
             continue
-        scripts = SCRIPT.findall(span)
+        scripts = [path or module for path, module in SCRIPT.findall(span)]
         if scripts:
             allowed = set().union(*(_script_flags(s) for s in scripts))
         else:

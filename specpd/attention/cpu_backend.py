@@ -6,7 +6,7 @@ there for callers that rotate themselves. The torch backend stays the reference.
 
 Long prompt chunks in half precision: a sequence with at least PREFILL_SDPA_ROWS query rows and
 PREFILL_SDPA_WORK query-key pairs, no tree mask, in a bf16 or fp16 pool, attends through torch's SDPA (its CPU flash attention runs the products as bf16 GEMMs, on
-AMX where the CPU has it, faster than the C kernel there: evals/results/attention.json) over its pages
+AMX where the CPU has it, faster than the C kernel there: evals/results/kernels_attention.json) over its pages
 gathered once per layer; the C kernel still writes every row's K/V and attends every other row. Decode and
 verify rows never take that path, so a verify row still equals the decode row bit for bit; a prompt row's
 arithmetic was never a decode row's in half precision (a 512-row GEMM rounds otherwise than a 1-row one). fp32

@@ -1,6 +1,6 @@
 """The few-row bf16 GEMM (csrc/cpu_gemm_bf16.c) on CPUs with AVX512-BF16: decode and verify rows stream each
 weight once from a layout packed at load, at close to the box's memory bandwidth, where oneDNN's bf16 path
-reads it at ~0.6 of it for 1..16 rows (evals/bench_gemm.py -> evals/results/gemm.json). Every output element
+reads it at ~0.6 of it for 1..16 rows (evals/kernels_gemm.py -> evals/results/kernels_gemm.json). Every output element
 is the same fp32 chain of dot products over K whatever the row count, tile or thread split: batch invariant
 by construction. `gemm_ref` is its torch reference (tests/kernels/test_cpu_gemm_bf16.py: ragged row counts,
 widths that are not a multiple of 16, bias, invariance).
@@ -63,7 +63,7 @@ ANY_WIDTH = 1 << 62
 def max_rows() -> int:
     """The widest GEMM the kernel takes (wider ones go to oneDNN). Without AMX it keeps up with or beats
     oneDNN's AVX512-BF16 path from 1 to 512 rows, and on AMX its tile path streams the weight for 1..16 rows at
-    the cost of one and stays level with oneDNN above (evals/results/gemm.json): every GEMM (ANY_WIDTH), so bf16
+    the cost of one and stays level with oneDNN above (evals/results/kernels_gemm.json): every GEMM (ANY_WIDTH), so bf16
     is batch invariant at any width, prefill chunks beside decode
     rows included. On AMX with the tile path off (SPECPD_GEMM_AMX=0, or Linux refused the tile state) its
     vdpbf16ps cost grows with the rows while oneDNN's tiles compute 17..32 rows for what 16 cost: 16 there."""

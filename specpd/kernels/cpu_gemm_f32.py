@@ -1,7 +1,7 @@
 """The fp32 GEMM (csrc/cpu_gemm_f32.c) on CPUs with AVX-512: cpu_gemm_bf16's layout and tiles for fp32 weights
 ([N/16][K][16], one FMA per vector and row), so a decode row streams each fp32 weight once at close to the box's
-memory bandwidth, where oneDNN's fp32 path reads it at about half of it (evals/bench_gemm.py ->
-evals/results/gemm.json). Every output element is the same chain of FMAs over K whatever the row count, tile
+memory bandwidth, where oneDNN's fp32 path reads it at about half of it (evals/kernels_gemm.py ->
+evals/results/kernels_gemm.json). Every output element is the same chain of FMAs over K whatever the row count, tile
 or thread split: batch invariant by construction, so it takes every fp32 GEMM (any width) and fp32 stays exact
 between decode, verify and prefill rows. `gemm_ref` is its torch reference (tests/kernels/test_cpu_gemm_f32.py).
 

@@ -1,7 +1,7 @@
 """Linear layers for CPU serving: weights prepacked once at load for oneDNN (torch's mkldnn ops).
 
 `mkldnn._linear_pointwise` on a weight reordered once into oneDNN's blocked layout, bf16 (AMX / AVX512-BF16)
-and fp32 alike. On an AMX box a few bf16 rows cost what reading the weight costs (evals/results/gemm.json),
+and fp32 alike. On an AMX box a few bf16 rows cost what reading the weight costs (evals/results/kernels_gemm.json),
 which is what speculative verify and batched decode need.
 
 Batch invariance: a row's result must not depend on how many rows share its GEMM, or a verify row (or a
@@ -15,7 +15,7 @@ but is not invariant: it is not used.
 
 bf16 on an AVX512-BF16 / AMX CPU: the project's own kernel (cpu_gemm_bf16) streams the weight at the box's
 read bandwidth where oneDNN's bf16 path reaches about half of it, and keeps up to 512 rows
-(evals/results/gemm.json). It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles
+(evals/results/kernels_gemm.json). It takes every bf16 GEMM (and oneDNN's copy of the weight is not made), on AMX tiles
 where the CPU has them; only with its AMX
 path off (SPECPD_GEMM_AMX=0) does an AMX CPU hand GEMMs wider than 16 rows to oneDNN. It is batch invariant by
 construction, so bf16 is invariant at any width.
@@ -177,7 +177,7 @@ def pack_linears(module: nn.Module) -> int:
 def weights_on_huge_pages(module: nn.Module) -> int:
     """Move the memory under `module`'s CPU tensors (parameters, buffers, prepacked weights) onto transparent huge
     pages (specpd.machine.collapse_huge_pages), once they are final. Every step streams them whole, and on 4 KB
-    pages that is a TLB miss per 4 KB, which a b1 decode step pays (profile_step.json). Returns the bytes
+    pages that is a TLB miss per 4 KB, which a b1 decode step pays (engine_step.json). Returns the bytes
     collapsed (0 where the kernel has no MADV_COLLAPSE)."""
     spans, seen = [], set()
     for m in module.modules():

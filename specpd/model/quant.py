@@ -3,7 +3,7 @@ same blocks, all multiplied by one kernel (specpd/kernels/cpu_gemm_q.py: Q4_0, Q
 fp32 or bf16 activations).
 
 Decode at small batch streams every weight once per step, so it is bound by memory: the default GGUF's Q4_1
-layers and Q8_0 head hold a fraction of the fp32 bytes (evals/bench_gemm_q.py -> evals/results/gemm_q.json
+layers and Q8_0 head hold a fraction of the fp32 bytes (evals/kernels_gemm_q.py -> evals/results/kernels_gemm_q.json
 times one forward's linears on each path against those bytes' floor).
 
 `--quantization` (EngineConfig.quantization; `resolve` decides `auto`):
@@ -23,7 +23,7 @@ times one forward's linears on each path against those bytes' floor).
     its references are dense fp32 HF outputs).
 The activations are quantized per 32-block to int8 inside the kernel (llama.cpp's scheme), so greedy output is
 not bit-identical to the dequantized fp32 engine's: tests/model/test_quant_engine.py bounds the token agreement
-and evals/quant_e2e.py measures it. Speculation stays lossless: the kernel is batch invariant.
+and evals/engine_quant.py measures it. Speculation stays lossless: the kernel is batch invariant.
 The embedding lookup keeps the dense table (the dtype's), so drafts that borrow it see the same values.
 Tensor parallelism: int8 / int4 quantize each rank's shard, TP 1's blocks sliced (32-weight blocks never straddle
 a shard whose width is a multiple of 32: tp.check_quantization); gguf is TP 1 only.

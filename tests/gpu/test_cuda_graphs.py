@@ -3,7 +3,7 @@
 Every replayed forward (decode rows, tree verify rows, the draft's extend and steps) is run again on the plain
 eager path and compared (tests/model/test_cuda_graphs.py's EagerTwin, there on the padded path without capture);
 the engine with graphs gives an engine without them its greedy tokens (fp32: exactly; the same padded path in bf16
-is measured by evals/bench_gpu.py), the metadata every graph reads is one storage, and the pages come back.
+is measured by evals/gpu.py), the metadata every graph reads is one storage, and the pages come back.
 Skipped without a CUDA device.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Engines on quantized weights (specpd/model/quant.py):
   - the default GGUF's blocks as the file holds them (quantization gguf) decode greedily close to the
     dequantized fp32 engine on the same file: 16 chat prompts x 64 tokens, a floor on the common prefixes a
-    wrong kernel falls far below (evals/quant_e2e.py measures it on held-out prompts);
+    wrong kernel falls far below (evals/engine_quant.py measures it on held-out prompts);
   - int4 on that GGUF serves the same blocks, so its output is gguf's token for token; int8 / int4 run an HF
     directory in fp32 and bf16 (qwen2: a q/k/v bias), their logits near the dense model's;
   - speculation on the GGUF's blocks is lossless (greedy spec equals greedy plain): the shipped EAGLE-3 head and

@@ -185,6 +185,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--requests", type=int, default=None,
                     help=f"requests per cell (default: {C1_REQUESTS} at c1, else max({MIN_REQUESTS}, 2 x concurrency))")
+    ap.add_argument("--c1-requests", type=int, default=None,
+                    help=f"requests per c1 cell alone (default: {C1_REQUESTS}); wider cells keep their default")
     ap.add_argument("--quick", action="store_true", help="smoke: 1 rep, c1, chat, 4 prompts, 32 tokens")
     ap.add_argument("--estimate", action="store_true", help="print the estimated run time of these flags and exit")
     ap.add_argument("--paired", action="store_true",
@@ -272,7 +274,7 @@ def main() -> int:
         report["floor"] = fp32_floor(report)
     report["bench_wall_s"] = time.perf_counter() - t_start
     full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),
-                                 "requests": None, "max_tokens": 96, "engines": list(ENGINES), "servers": [],
+                                 "requests": None, "c1_requests": None, "max_tokens": 96, "engines": list(ENGINES), "servers": [],
                                  "configs": list(CONFIGS), "dtypes": list(DTYPES)})
     full_specs = server_specs(full, default_dtype, [])
     report["estimate_full_run_s"] = estimate_s(full, full_specs, report)  # from this run's start-ups and c1 tok/s

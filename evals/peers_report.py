@@ -24,7 +24,9 @@ def requests_per_cell(args, c: int) -> int:
     next). Wider cells keep their clients busy for several requests, as serving benchmarks run (vLLM's `bench
     serve --max-concurrency`, SGLang's bench_serving), not one burst whose slowest request sets the wall: there a
     server that finishes some requests early (speculation) gains nothing from it, and a burst of 8 lasted ~2 s."""
-    return args.requests or (C1_REQUESTS if c == 1 else max(MIN_REQUESTS, 2 * c))
+    if args.requests:
+        return args.requests
+    return (getattr(args, "c1_requests", None) or C1_REQUESTS) if c == 1 else max(MIN_REQUESTS, 2 * c)
 
 
 def lscpu() -> dict:

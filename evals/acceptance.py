@@ -31,9 +31,9 @@ from common import (held_out_sharegpt_prompts, humaneval_prompts, log, machine_i
 
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specpd.core import SamplingParams  # noqa: E402
-from specpd.draft.loader import read_draft_config, resolve_draft_path  # noqa: E402
+from specpd.spec.draft.loader import read_draft_config, resolve_draft_path  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
-from specpd.engine.spec_stats import SpecStats  # noqa: E402
+from specpd.spec.stats import SpecStats  # noqa: E402
 from specpd.model.loader import load_checkpoint  # noqa: E402
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")

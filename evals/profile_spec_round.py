@@ -36,7 +36,7 @@ from specpd.core import SamplingParams  # noqa: E402
 from specpd.engine.llm_engine import LLMEngine  # noqa: E402
 from specpd.machine import wait_for_collapse  # noqa: E402
 from specpd.model.loader import load_checkpoint  # noqa: E402
-from specpd.verify.tree import DraftTree  # noqa: E402
+from specpd.spec.tree import DraftTree  # noqa: E402
 
 CTX = 300
 TREES = {"1 row": [-1], "2 rows, chain": [-1, 0], "5 rows, chain": [-1, 0, 1, 2, 3],

@@ -14,7 +14,7 @@ import time
 import torch
 
 from specpd.core import Request, RequestOutput, SamplingParams, TokenLogprob
-from specpd.draft.proposer import DraftExtend
+from specpd.spec.draft.proposer import DraftExtend
 from specpd.engine.detokenizer import IncrementalDetokenizer
 
 

@@ -22,8 +22,8 @@ from specpd.core import EngineBroken, InvalidRequest, Request, RequestOutput, Sa
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.handoff import HandoffHooks, feature_pages
 from specpd.engine.scheduler import Scheduler
-from specpd.engine.spec_runner import build_spec_runner
-from specpd.engine.spec_stats import SpecStats
+from specpd.spec.runner import build_spec_runner
+from specpd.spec.stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
 from specpd.machine import collapse_later_in_background, starting_up
@@ -56,13 +56,13 @@ class LLMEngine(HandoffHooks):
         spec = config.spec.validate()
         draft_layers = 0
         if spec.enabled and with_draft:
-            from specpd.draft.loader import shared_page_layers
+            from specpd.spec.draft.loader import shared_page_layers
             draft_layers = shared_page_layers(spec, self.model_config)
         self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role)
         pool = self.runner.kv_pool
         self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
         if spec.enabled and not with_draft and not spec.model_free:
-            from specpd.draft.loader import draft_feature_layers
+            from specpd.spec.draft.loader import draft_feature_layers
             self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
                                                                self.model_config.num_layers)
         self.decode_width = self.spec_runner.decode_width if self.spec_runner else 1

@@ -120,7 +120,7 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
         if mode == "both":  # the whole page moves
             assert p.peer_config.draft_mode == "both" and p.backend.layouts[0].page_bytes == d_page
         else:  # P has no draft: its target-only pages fill the target's block of D's pages, D builds the draft KV
-            assert p.peer_config.draft_mode == "decode_only" and p.engine.spec_runner is None
+            assert p.peer_config.draft_mode == "decode-only" and p.engine.spec_runner is None
             assert p.backend.layouts[0].page_bytes < d_page
         assert sum(len(runs) for runs in p.kv.plan(KVDestination(0, tuple(d.kv.endpoints), [])).values()) == 1
         final = run_pd(p, d, PROMPTS, GREEDY)

@@ -23,7 +23,7 @@ from specpd.spec.draft.hybrid import HybridProposer
 from specpd.spec.draft.ngram import NgramProposer
 from specpd.spec.draft.proposer import DraftExtend, Proposer
 from specpd.grammar.matcher import mask_logits
-from specpd.model.runner import ModelRunner, SampledTokens
+from specpd.model.runner import ModelRunner, SampledTokens, StepRunner
 from specpd.model.sampler import compute_logprobs, process_logits, sample
 from specpd.spec.calibration import calibrate
 from specpd.spec.cost import CostModel
@@ -32,7 +32,7 @@ from specpd.spec.policy import AdaptivePolicy
 from specpd.spec.commit import TreeVerifier, top_path_length
 
 
-class SpecRunner(TreeVerifier, DeferredExtends):
+class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
     def __init__(self, runner: ModelRunner, proposer: Proposer, policy: AdaptivePolicy | None = None):
         self.runner = runner
         self.proposer = proposer
@@ -324,18 +324,20 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
                                  graphs=runner.graph_settings)
         if spec.hybrid:
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
-    spec_runner = SpecRunner(runner, proposer)
+    policy = None
     if spec.spec_adaptive:
         frozen = frozen_policy or spec.spec_adaptive_pinned
-        cost = CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned else calibrate(spec_runner)
+        # measured: the forwards a round runs, timed through a runner of the same parts that has no policy yet
+        cost = (CostModel.pinned(not proposer.model_free) if spec.spec_adaptive_pinned
+                else calibrate(SpecRunner(runner, proposer)))
         cost.frozen = frozen
         # pinned: a catch-up priced as work moved earlier (AdaptivePolicy.catch_up_settled), whatever the cache, so
         # a request's rounds (and acceptance) depend on its own history only; measured: priced as the work it adds
         settled = spec.spec_adaptive_pinned and proposer.needs_hidden
-        spec_runner.policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
-                                            shadow=proposer.needs_hidden or isinstance(proposer, NgramProposer),
-                                            catch_up_settled=settled)
-    return spec_runner
+        policy = AdaptivePolicy(proposer.num_steps, topk, proposer.num_draft_tokens, cost, frozen=frozen,
+                                shadow=proposer.needs_hidden or isinstance(proposer, NgramProposer),
+                                catch_up_settled=settled)
+    return SpecRunner(runner, proposer, policy)
 
 
 def _ngram(spec, steps: int, topk: int, num_tokens: int) -> NgramProposer:

@@ -295,7 +295,7 @@ def main() -> None:
                 prompts = json.load(f)
         elif args.smoke:  # the code path of the staged cells, on random weights and a random head
             from specpd.config import ModelConfig
-            from specpd.draft.loader import random_draft_checkpoint
+            from specpd.spec.draft.loader import random_draft_checkpoint
             from specpd.model.loader import load_checkpoint
             args.random_head = os.path.join(tmp, "head")
             random_draft_checkpoint(args.random_head, "eagle3",

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
 PEERS_DIR = os.path.join(REPO, ".peers")
-EAGLE3_HEAD = os.path.join(REPO, "specpd", "draft", "heads", "smollm2-135m-instruct-eagle3")
+EAGLE3_HEAD = os.path.join(REPO, "specpd", "spec", "draft", "heads", "smollm2-135m-instruct-eagle3")
 HF_DIR_FORMAT = 1  # bump when what hf_dir writes changes
 
 VLLM_SPEC = {"eagle3": {"method": "eagle3", "model": EAGLE3_HEAD, "num_speculative_tokens": 3},

@@ -30,9 +30,9 @@ from evals.harness.results import command_line, log, machine_info, versions, wri
 
 from specpd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import read_draft_config, resolve_draft_path
+from specpd.spec.draft.loader import read_draft_config, resolve_draft_path
 from specpd.engine.llm_engine import LLMEngine
-from specpd.engine.spec_stats import SpecStats
+from specpd.spec.stats import SpecStats
 from specpd.model.loader import load_checkpoint
 
 RESULTS_DIR = os.path.join(EVALS_DIR, "results")

@@ -37,7 +37,7 @@ from evals.spec_workloads import WORKLOADS, configs, lockstep_run
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.machine import default_dtype, default_threads, wait_for_collapse
 from specpd.model.loader import load_checkpoint

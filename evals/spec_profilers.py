@@ -17,11 +17,11 @@ import torch
 from evals.harness.results import median
 from evals.spec_runs import SPEC_STEPS, Bench
 
-import specpd.engine.spec_verify as spec_verify_module
+import specpd.spec.commit as spec_verify_module
 import specpd.kernels.kv_compact as kv_compact_module
 from specpd.config import ModelConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))

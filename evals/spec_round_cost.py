@@ -36,7 +36,7 @@ from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
 from specpd.machine import wait_for_collapse
 from specpd.model.loader import load_checkpoint
-from specpd.verify.tree import DraftTree
+from specpd.spec.tree import DraftTree
 
 CTX = 300
 TREES = {"1 row": [-1], "2 rows, chain": [-1, 0], "5 rows, chain": [-1, 0, 1, 2, 3],

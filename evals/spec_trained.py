@@ -15,7 +15,7 @@ from evals.harness.results import log, machine_info, versions, write_json
 from evals.spec_runs import Bench, compare, interleaved_reps, summarize  # the replay bench's runner
 
 from specpd.config import SpecConfig
-from specpd.draft.loader import read_draft_config, resolve_draft_path
+from specpd.spec.draft.loader import read_draft_config, resolve_draft_path
 from specpd.model.loader import load_checkpoint
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

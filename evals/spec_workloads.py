@@ -196,7 +196,7 @@ def lockstep_run(engines: dict[str, LLMEngine], prompts: list[list[int]], params
 
 
 def run(args) -> None:
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     from specpd.model.loader import load_checkpoint
     torch.set_num_threads(args.threads)
     meta = {"machine": machine_info(), "versions": versions()}

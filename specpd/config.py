@@ -231,13 +231,13 @@ class SpecConfig:
     # PD only: where the draft extend over the prompt runs. "both": P runs it and hands D the draft KV,
     # first-round top-k and draft hidden; "decode-only": P hands D the target hidden states and D runs it.
     draft_mode: str = "both"
-    # adaptive speculation (specpd/engine/spec_policy.py): each round, per request, the draft depth
+    # adaptive speculation (specpd/spec/policy.py): each round, per request, the draft depth
     # (0 = a plain decode step) that maximises expected committed tokens per second
     spec_adaptive: bool = True
     # test-only: a fixed cost table instead of the startup measurement, and no engine-wide or online
     # learning, so a request's rounds depend on its own history alone (PD and unified then agree)
     spec_adaptive_pinned: bool = False
-    # n-gram drafting (specpd/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
+    # n-gram drafting (specpd/spec/draft/ngram.py): the algorithm "ngram", or merged into an EAGLE-family
     # tree (hybrid); contexts of min..max match tokens; a store of recent outputs shared across requests
     # bounded to spec_ngram_store_tokens tokens (0: off). spec_ngram None (the default): hybrid for an
     # EAGLE-family algorithm, the best configuration measured (docs/results.md, spec_workloads.json); False:

@@ -190,7 +190,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from a prefix cache, not computed here
     draft_kv_len: int | None = None  # positions with valid draft KV (None: no draft KV in the pages)
     # a prefix-cache hit whose pages lack draft KV from `start` on: (start, the target features to build it from),
-    # for the spec runner to defer as the prompt's extend (specpd/engine/spec_defer.py)
+    # for the spec runner to defer as the prompt's extend (specpd/spec/defer.py)
     cached_draft: tuple | None = None
     kv_pinned: bool = False  # PD prefill: pages being streamed to D while it prefills: never preempted or freed
     # a parallel sample (n > 1) after the first: admitted once `prefix_leader` (the first) has computed the prompt,

@@ -85,14 +85,44 @@ def test_no_module_import_circles():
         assert _cycles(_graph(top)) == [], f"import circles in {top}/"
 
 
-def test_no_package_import_circles():
+def _package_graph() -> dict[str, set[str]]:
+    """specpd's packages (and top-level modules) -> the others they import."""
     packages: dict[str, set[str]] = {}
     for module, imported in _graph("specpd").items():
         mine = module.split(".")[1] if "." in module else module
         packages.setdefault(mine, set()).update(m.split(".")[1] for m in imported if "." in m)
     for name, deps in packages.items():
         deps.discard(name)
-    assert _cycles(packages) == [], "specpd's packages import each other in a circle"
+    return packages
+
+
+def test_no_package_import_circles():
+    assert _cycles(_package_graph()) == [], "specpd's packages import each other in a circle"
+
+
+# specpd's layers, top first (docs/architecture.md, "Layers of the code"): a package imports only from layers below
+# its own, never beside it (engine/ and disagg/ stay apart: a worker is handed the engine object)
+LAYERS = [
+    {"__main__"},
+    {"server"},
+    {"train"},  # specpd train-draft: a server subcommand, beside the serving stack
+    {"disagg", "engine"},
+    {"spec"},  # speculation: drafting, trees, verify, commit, the adaptive policy
+    {"model"},
+    {"attention"},
+    {"kernels", "kv"},
+    {"admission", "config", "grammar"},
+    {"core", "machine"},
+]
+
+
+def test_every_package_imports_only_from_layers_below_it():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    packages = _package_graph()
+    packages.pop("specpd", None)  # specpd/__init__.py
+    assert set(packages) <= set(layer), f"give these a layer in LAYERS: {sorted(set(packages) - set(layer))}"
+    upward = {f"{name} -> {dep}" for name, deps in packages.items() for dep in deps if layer[dep] <= layer[name]}
+    assert not upward, f"imports from a layer not below the importer's: {sorted(upward)}"
 
 
 def test_the_check_finds_a_circle():

@@ -49,7 +49,7 @@ from specpd.disagg.messages import (Abort, AbortAck, ConfigMismatch, DecodeRegis
                                     PeerConfig, TargetFeatures, TransferDone, TransferFailed, check_compatible)
 from specpd.disagg.timeline import between, describe
 from specpd.disagg.worker import BootstrapInfo, DisaggWorker
-from specpd.draft.proposer import DraftState
+from specpd.spec.draft.proposer import DraftState
 from specpd.kv.allocator import pages_needed
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ START_TIMEOUT_S = 60.0  # a worker rank's transfer engine up and its pool regist
 
 def _draft_kv(engine):
     """The draft model's KV pool (its own, or its layers of the target's pages), None without a draft model."""
-    from specpd.draft.hybrid import HybridProposer
+    from specpd.spec.draft.hybrid import HybridProposer
     proposer = engine.spec_runner.proposer if engine.spec_runner else None
     if isinstance(proposer, HybridProposer):
         proposer = proposer.model

@@ -40,11 +40,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from specpd.config import DRAFT_MODES as SPEC_DRAFT_MODES
 from specpd.core import SamplingParams
 
-PROTOCOL_VERSION = 1
-DRAFT_MODES = ("none", "both", "decode_only")  # where the draft extend over the prompt runs
-
+PROTOCOL_VERSION = 2
+DRAFT_MODES = ("none", *SPEC_DRAFT_MODES)  # where the prompt's draft extend runs; "none": no draft model
 
 # what a page holds in memory (specpd/kv/pool.py); a peer with another layout is refused at bootstrap naming both
 KV_LAYOUT = "page[kv_head][layer][k|v][slot][dim], per-rank head ranges"
@@ -52,7 +52,7 @@ KV_LAYOUT = "page[kv_head][layer][k|v][slot][dim], per-rank head ranges"
 
 @dataclass(frozen=True)
 class PeerConfig:
-    """What P and D must agree on. `draft_mode`: "both" (P runs the draft extend) | "decode_only" | "none"."""
+    """What P and D must agree on. `draft_mode`: one of DRAFT_MODES ("both": P runs the draft extend)."""
 
     model: str
     draft_model: str | None
@@ -189,7 +189,7 @@ class HandoffRecord:
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         need = {"both": ("draft_topk_ids", "draft_topk_probs", "draft_hidden"),
-                "decode_only": ("target_hidden",), "none": ()}[self.draft_mode]
+                "decode-only": ("target_hidden",), "none": ()}[self.draft_mode]
         missing = [name for name in need if getattr(self, name) is None]
         if missing:
             raise ValueError(f"handoff record for room {self.room} in draft_mode={self.draft_mode!r} lacks {missing}")

@@ -119,7 +119,7 @@ class PrefillSender:
         is computed) go to D now (module docstring, 2c), so D's draft extend over them overlaps P's next chunk,
         or for the last chunk its pages' write, instead of waiting for the record."""
         dest = room.destination
-        if self.peer_config.draft_mode != "decode_only" or dest is None or dest.prefill_locally \
+        if self.peer_config.draft_mode != "decode-only" or dest is None or dest.prefill_locally \
                 or self._stream_failed(room) or not req.handoff_hidden:
             return
         start, end = max(room.features_sent, dest.cached_tokens), req.num_computed_tokens if end is None else end
@@ -182,8 +182,8 @@ class PrefillSender:
         self.inflight[room.info.room] = room
 
     def _draft_fields(self, req, cached_tokens: int = 0) -> dict:
-        if self.peer_config.draft_mode == "decode_only":  # D runs the draft extend from the target features
-            return {"draft_mode": "decode_only", "target_hidden": _features_from(req.handoff_hidden, cached_tokens),
+        if self.peer_config.draft_mode == "decode-only":  # D runs the draft extend from the target features
+            return {"draft_mode": "decode-only", "target_hidden": _features_from(req.handoff_hidden, cached_tokens),
                     "hidden_start": cached_tokens}
         if self.peer_config.draft_mode != "both":
             return {}

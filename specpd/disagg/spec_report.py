@@ -1,7 +1,7 @@
 """What each decode server's adaptive speculation did, as the router reports it (/server_info, /metrics). No torch.
 
 A decode server's /server_info carries its policy's counters and the cost model it calibrated at startup
-(specpd/engine/spec_policy.py, spec_cost.py); the router puts every decode server's depth-0 share beside its tau
+(specpd/spec/policy.py, cost.py); the router puts every decode server's depth-0 share beside its tau
 and its cost table, so a cluster whose D never (or always) speculates shows it, and why, in one place.
 """
 from __future__ import annotations

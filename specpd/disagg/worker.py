@@ -185,13 +185,13 @@ class BootstrapInfo:
 
 
 def draft_mode(config) -> str:
-    """PeerConfig.draft_mode: where the draft extend over the prompt runs (messages.DRAFT_MODES).
-
-    "none" without a draft model (no speculation, or the replay drafter, which keeps no per-prompt state)."""
+    """PeerConfig.draft_mode: where the draft extend over the prompt runs (messages.DRAFT_MODES): the
+    configured `--draft-mode` as spelled there, or "none" without a draft model (no speculation, or a
+    model-free drafter, which keeps no per-prompt state to hand over)."""
     spec = config.spec
     if not spec.enabled or spec.model_free:
         return "none"
-    return "both" if spec.draft_mode == "both" else "decode_only"
+    return spec.draft_mode
 
 
 def peer_config(engine, transfer_backend: str) -> PeerConfig:

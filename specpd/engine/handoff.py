@@ -14,7 +14,7 @@ import time
 import torch
 
 from specpd.core import Request, RequestOutput, SamplingParams, TokenLogprob
-from specpd.draft.proposer import DraftExtend
+from specpd.spec.draft.proposer import DraftExtend
 from specpd.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -130,7 +130,7 @@ class HandoffHooks:
         draft_state = req.spec_state  # the proposer's first-round proposal: it travels to D (draft-on-both)
         if req.params.seed is not None:  # D's generator continues from here: seeded PD == colocated
             req.sampler_state = self.runner.generator_for(req).get_state()
-        (self.spec_runner or self.runner).release(req)
+        self.step_runner.release(req)
         req.spec_state = draft_state
         return RequestOutput(req.request_id, list(req.output_token_ids), "", list(req.output_token_ids), "",
                              True, "handoff", req.num_prompt_tokens,

@@ -22,13 +22,13 @@ from specpd.core import EngineBroken, InvalidRequest, Request, RequestOutput, Sa
 from specpd.engine.detokenizer import IncrementalDetokenizer
 from specpd.engine.handoff import HandoffHooks, feature_pages
 from specpd.engine.scheduler import Scheduler
-from specpd.engine.spec_runner import build_spec_runner
-from specpd.engine.spec_stats import SpecStats
+from specpd.spec.runner import SpecRunner, build_spec_runner
+from specpd.spec.stats import SpecStats
 from specpd.kv.allocator import pages_needed
 from specpd.kv.radix import RadixCache
 from specpd.machine import collapse_later_in_background, starting_up
 from specpd.model.loader import load_checkpoint
-from specpd.model.runner import ModelRunner
+from specpd.model.runner import ModelRunner, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -54,28 +54,32 @@ class LLMEngine(HandoffHooks):
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         spec = config.spec.validate()
-        draft_layers = 0
+        draft_layers, capture = 0, None
         if spec.enabled and with_draft:
-            from specpd.draft.loader import shared_page_layers
+            from specpd.spec.draft.loader import shared_page_layers
             draft_layers = shared_page_layers(spec, self.model_config)
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role)
+        elif spec.enabled and not spec.model_free:  # P, draft-on-decode-only: it hands D the draft's features
+            from specpd.spec.draft.loader import draft_feature_layers
+            capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm, self.model_config.num_layers)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len, kv_extra_layers=draft_layers, pd_role=pd_role,
+                                  handoff_capture=capture)
         pool = self.runner.kv_pool
-        self.spec_runner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft else None
-        if spec.enabled and not with_draft and not spec.model_free:
-            from specpd.draft.loader import draft_feature_layers
-            self.runner.handoff_capture = draft_feature_layers(spec.draft_model, spec.speculative_algorithm,
-                                                               self.model_config.num_layers)
-        self.decode_width = self.spec_runner.decode_width if self.spec_runner else 1
+        # what step() runs: speculation over the model runner, or the model runner itself (plain decoding)
+        self.step_runner: StepRunner = build_spec_runner(self.runner, spec) if spec.enabled and with_draft \
+            else self.runner
+        self.decode_width = self.step_runner.decode_width
         # pages carry draft KV: a cached page needs the token after it to match too (specpd/kv/radix.py)
         self._draft_kv = self.spec_runner is not None and not self.spec_runner.proposer.model_free
         self.prefix_cache = (RadixCache(pool.allocator, pool.page_size, lookahead=int(self._draft_kv))
                              if config.cache.enable_prefix_caching else None)
-        self.scheduler = Scheduler(config.scheduler, pool.allocator, pool.page_size, self.decode_width,
-                                   cache=self.prefix_cache)
-        if self.prefix_cache is not None and self._draft_kv:  # the draft's deferred extends stay with cached pages
-            self.scheduler.draft_cache = self.spec_runner
-        if self.prefix_cache is not None and self.runner.handoff_capture is not None:
-            self.scheduler.page_payloads = lambda req, n: feature_pages(req, n, pool.page_size)  # P, draft-on-decode-only: D needs every feature
+        cached = self.prefix_cache is not None
+        self.scheduler = Scheduler(
+            config.scheduler, pool.allocator, pool.page_size, self.decode_width, cache=self.prefix_cache,
+            # the draft's deferred extends stay with cached pages
+            draft_cache=self.spec_runner if cached and self._draft_kv else None,
+            # P, draft-on-decode-only: D needs every feature, cached pages' too
+            page_payloads=(lambda req, n: feature_pages(req, n, pool.page_size)) if cached and capture is not None
+            else None)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
@@ -89,6 +93,11 @@ class LLMEngine(HandoffHooks):
         self.spec_stats = SpecStats(self.spec_runner.proposer.num_steps if self.spec_runner else config.spec.num_steps)
         self._grammar = None  # specpd.grammar.backend.GrammarBackend, built at the first constrained request
         logger.info("runtime: %s", ", ".join(f"{k} {v}" for k, v in self.runner.runtime_info().items()))
+
+    @property
+    def spec_runner(self) -> SpecRunner | None:
+        """The step runner when it speculates (its proposer, policy and deferred extends), else None."""
+        return self.step_runner if isinstance(self.step_runner, SpecRunner) else None
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -205,9 +214,8 @@ class LLMEngine(HandoffHooks):
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        runner = self.spec_runner or self.runner
         try:
-            result = runner.execute(batch, self._suppressed_ids(batch))
+            result = self.step_runner.execute(batch, self._suppressed_ids(batch))
         except Exception as exc:  # noqa: BLE001 - contained, or re-raised when the engine itself is broken
             return outputs + self._contain(batch, exc)
         self._failed_steps = 0
@@ -266,7 +274,7 @@ class LLMEngine(HandoffHooks):
         if not req.finished:
             self.scheduler.finish(req, "abort")
         self._detok.pop(req.request_id, None)
-        (self.spec_runner or self.runner).release(req)
+        self.step_runner.release(req)
         self.counters["requests_finished"] += 1
         return RequestOutput(req.request_id, [], "", list(req.output_token_ids), "", True, "abort",
                              req.num_prompt_tokens, error=message, spec_verify_count=req.spec_verify_count,
@@ -380,6 +388,6 @@ class LLMEngine(HandoffHooks):
     def _finish_output(self, req: Request, new_ids, new_lps) -> RequestOutput:
         out = self._output(req, new_ids, new_lps, final=True)
         self._detok.pop(req.request_id, None)
-        (self.spec_runner or self.runner).release(req)
+        self.step_runner.release(req)
         self.counters["requests_finished"] += 1
         return out

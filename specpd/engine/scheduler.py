@@ -32,17 +32,18 @@ from specpd.kv.radix import RadixCache
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int, decode_width: int = 1,
-                 cache: RadixCache | None = None):
+                 cache: RadixCache | None = None, draft_cache=None, page_payloads=None):
+        """draft_cache: where cached pages carry draft KV that may lag the target's (adaptive speculation defers
+        the draft's extends), the spec runner, whose `cache_payloads` / `adopt_cached` keep the features for the
+        lagging part. page_payloads: where every cached page carries a payload, (request, num_pages) -> one
+        payload per page, or None (then nothing is cached)."""
         self.config = config
         self.decode_width = decode_width
         self.allocator = allocator
         self.page_size = page_size
         self.cache = cache
-        # set when every cached page carries a payload: (request, num_pages) -> one payload per page, or None (then nothing is cached)
-        self.page_payloads = None
-        # set where cached pages carry draft KV that may lag the target's (adaptive speculation defers the draft's
-        # extends): the spec runner, whose `cache_payloads` / `adopt_cached` keep the features for the lagging part
-        self.draft_cache = None
+        self.page_payloads = page_payloads
+        self.draft_cache = draft_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._unfinished: dict[str, Request] = {}  # request id -> request, waiting or running

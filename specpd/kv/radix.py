@@ -64,7 +64,7 @@ class PrefixMatch:
 
     def draft_built(self) -> "PrefixMatch":
         """The pages before the first whose payload holds the features of draft KV never built (a speculating
-        engine's cache, specpd/engine/spec_defer.py): what a reader without them may take as draft KV."""
+        engine's cache, specpd/spec/defer.py): what a reader without them may take as draft KV."""
         return self.cut(next((k for k, p in enumerate(self.payloads) if p is not None), len(self.pages)))
 
 

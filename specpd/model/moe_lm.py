@@ -6,7 +6,7 @@ attention specpd/model/mla.py, the MLP a dense one below first_k_dense_replace a
 Its KV pool is a LatentKVPool with the MLA backend (DeepSeek: over the C kernel for `cpu` where the shape fits it,
 else the torch backend; specpd/attention/mla.py) or a KVPool with the configured backend (GLM). Checkpoint layout: transformers'
 names (the published one), per-expert tensors; the MTP layers after the last decoder layer
-(model.layers.{num_hidden_layers + i}) are left to specpd/draft/checkpoint_mtp.py. FP8 block-quantized weights
+(model.layers.{num_hidden_layers + i}) are left to specpd/spec/draft/checkpoint_mtp.py. FP8 block-quantized weights
 (DeepSeek's release) are dequantized at load (specpd/model/fp8.py).
 Not here: tensor parallelism (specpd/model/tp.py refuses it), weight-only quantization, the C decoder stack.
 """

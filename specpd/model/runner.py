@@ -6,6 +6,7 @@ forward, and samples one token for each item that reached the end of its sequenc
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,12 +42,36 @@ class SampledTokens:
 StepResult = list[SampledTokens]
 
 
-class ModelRunner:
+class StepRunner(ABC):
+    """What the engine runs every step (LLMEngine.step_runner): plain decoding's ModelRunner, or speculation's
+    SpecRunner (specpd/spec/runner.py), which drafts and verifies around the ModelRunner under it."""
+
+    @property
+    @abstractmethod
+    def decode_width(self) -> int:
+        """KV slots a decode step reserves past the committed length (the scheduler reserves them)."""
+
+    @abstractmethod
+    def execute(self, batch: ScheduledBatch, suppress: dict[str, tuple[int, ...]]) -> StepResult:
+        """One forward over the batch; per item in batch order, what it committed. `suppress`: token ids an item
+        may not sample yet (min_tokens), by request id."""
+
+    @abstractmethod
+    def release(self, request) -> None:
+        """Drop what this runner keeps for a request that finished (its generator; a draft's state)."""
+
+
+class ModelRunner(StepRunner):
+    decode_width = 1  # a decode step writes the next token's KV only
+
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int, kv_extra_layers: int = 0,
-                 pack: bool = True, pd_role: str | None = None):
+                 pack: bool = True, pd_role: str | None = None, handoff_capture: tuple[int, ...] | None = None):
         """kv_extra_layers: room in every KV page for a draft's layers (KVPool.layers_of; docs/architecture.md §4).
         pack=False: keep nn.Linear layers (a frozen target that a draft trainer backpropagates through).
-        pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's)."""
+        pd_role ("prefill" / "decode"): a PD server (under tensor parallelism its page count is TP 1's).
+        handoff_capture: PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these
+        target layers' inputs; (): the final hidden) of prefill-only requests for the handoff. None: keep nothing."""
+        self.handoff_capture = handoff_capture
         config = config.resolved()
         check_graph_config(config)  # a configuration that cannot run is refused here, never inside a step
         config = replace(config, quantization=resolve_quantization(config, checkpoint.blocks, pack))
@@ -124,9 +149,6 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # what one request's own parameters or data broke in a step: the engine fails that request alone
         self.faults = RequestFaults()
-        # PD prefill, draft-on-decode-only: keep the features the draft consumes (EAGLE-3: these target
-        # layers' inputs; (): the final hidden) of prefill-only requests for the handoff. None: keep nothing.
-        self.handoff_capture: tuple[int, ...] | None = None
 
     def runtime_info(self) -> dict:
         """What this runner resolved from the machine and the flags (logged at start, in /server_info)."""

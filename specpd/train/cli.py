@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from specpd.config import CacheConfig, EngineConfig, ModelConfig
-    from specpd.draft.eagle3 import resolve_aux_layer_ids
-    from specpd.draft.loader import read_draft_config, resolve_draft_path
+    from specpd.spec.draft.eagle3 import resolve_aux_layer_ids
+    from specpd.spec.draft.loader import read_draft_config, resolve_draft_path
     from specpd.model.loader import load_checkpoint
     from specpd.model.runner import ModelRunner
     from specpd.train.data import training_conversations, training_records

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from specpd.config import ModelConfig
-from specpd.draft.base import DraftModel, hf_config_fields
-from specpd.draft.loader import draft_class, load_draft_model
+from specpd.spec.draft.base import DraftModel, hf_config_fields
+from specpd.spec.draft.loader import draft_class, load_draft_model
 from specpd.model.llama import RMSNorm
 
 

@@ -1,6 +1,6 @@
 """The draft training objective: an unrolled draft forward over dense attention, and its losses.
 
-Alignment (the serving convention of specpd/draft/base.py): the draft row at position p pairs token
+Alignment (the serving convention of specpd/spec/draft/base.py): the draft row at position p pairs token
 x_{p+1} with the target feature f_p and predicts x_{p+2}. Its training signal is the target's own
 next-token distribution at position p + 1, softmax(head(h_{p+1})) with h the target's normed final
 hidden, recomputed from the cache through the frozen head. Unrolled step k (training-time test,
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specpd.draft.base import DraftModel
+from specpd.spec.draft.base import DraftModel
 from specpd.train.dense_attention import DenseMeta, DenseTrainingBackend
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from specpd.draft.base import DraftModel
-from specpd.draft.loader import save_draft_model
+from specpd.spec.draft.base import DraftModel
+from specpd.spec.draft.loader import save_draft_model
 from specpd.train.features import FeatureCache
 from specpd.train.objective import DraftObjective, TrainBatch
 

@@ -101,7 +101,7 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
     """Draft-on-both: P's draft KV (draft pool pages) and first-round proposal travel. Draft-on-decode-only:
     P (no draft loaded) sends the prompt's target features and D runs the draft extend. Either way the output
     AND the acceptance equal the unified engine's, proposal by proposal."""
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
     random_draft_checkpoint(str(tmp_path), algorithm, cfg, seed=1)
     spec = SpecConfig(algorithm, draft_model=str(tmp_path), spec_num_steps=3, spec_topk=topk,
@@ -120,7 +120,7 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
         if mode == "both":  # the whole page moves
             assert p.peer_config.draft_mode == "both" and p.backend.layouts[0].page_bytes == d_page
         else:  # P has no draft: its target-only pages fill the target's block of D's pages, D builds the draft KV
-            assert p.peer_config.draft_mode == "decode_only" and p.engine.spec_runner is None
+            assert p.peer_config.draft_mode == "decode-only" and p.engine.spec_runner is None
             assert p.backend.layouts[0].page_bytes < d_page
         assert sum(len(runs) for runs in p.kv.plan(KVDestination(0, tuple(d.kv.endpoints), [])).values()) == 1
         final = run_pd(p, d, PROMPTS, GREEDY)
@@ -144,7 +144,7 @@ def test_draft_modes_keep_acceptance(spec_model_dir, tmp_path, algorithm, topk, 
 def test_seeded_sampling_and_top_logprobs_match_unified(spec_model_dir, tmp_path, mode):
     """D's request generator continues from P's state after y0: seeded sampling gives the unified tokens;
     y0's top logprobs travel in the record."""
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     spec = None
     if mode is not None:
         random_draft_checkpoint(str(tmp_path), "eagle", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
@@ -195,8 +195,8 @@ def test_a_committed_handoff_plans_the_unified_engines_rounds_with_the_policy_as
     average, ~0.4 for this draft). One that starts at depth 0 does not probe alike: D's draft is in step after a
     draft-on-both handoff (a free probe in its first round), the unified engine's prompt extend is deferred (its
     probe waits for its interval); outputs are the same either way."""
-    from specpd.draft.loader import random_draft_checkpoint
-    from specpd.engine.spec_cost import CostModel
+    from specpd.spec.draft.loader import random_draft_checkpoint
+    from specpd.spec.cost import CostModel
     random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config),
                             seed=2)
     # the shipped shape: the head's tree with n-grams merged in (the tiny model's loops feed them)
@@ -229,7 +229,7 @@ def test_a_decode_only_handoffs_prompt_extend_waits_as_a_colocated_prompts(spec_
     """Draft-on-decode-only under the adaptive policy as served: the draft extend over the prompt's target
     features waits at commit as a colocated prefill's does (SpecRunner.defer_prompt), and the first catch-up
     computes the draft KV and proposal a frozen policy's eager extend at commit does."""
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     cfg = ModelConfig.from_hf(load_checkpoint(spec_model_dir).hf_config)
     random_draft_checkpoint(str(tmp_path), "eagle3", cfg, seed=4)
     spec = SpecConfig("eagle3", draft_model=str(tmp_path), draft_mode="decode-only", spec_adaptive_pinned=True,

@@ -55,7 +55,7 @@ def apply(runs: dict, src: list[list[KVPool]], dst: list[list[KVPool]], src_page
 PAIRS = [(1, 2), (2, 1), (2, 2), (1, 3), (3, 1), (2, 4), (4, 2), (3, 3)]
 
 
-@pytest.mark.parametrize("mode", ["both", "decode_only"])
+@pytest.mark.parametrize("mode", ["both", "decode-only"])
 @pytest.mark.parametrize("p_tp,d_tp", PAIRS, ids=[f"{p}to{d}" for p, d in PAIRS])
 def test_every_tp_pair_moves_whole_head_ranges_and_lands_what_tp1_holds(p_tp, d_tp, mode):
     gen = torch.Generator().manual_seed(p_tp * 10 + d_tp)
@@ -84,10 +84,10 @@ def test_every_tp_pair_moves_whole_head_ranges_and_lands_what_tp1_holds(p_tp, d_
 
 
 def test_a_pair_that_does_not_fit_is_refused_naming_both_sides():
-    src, dst = side(2, "decode_only"), side(3, "both")  # D expects draft layers that P does not hold
+    src, dst = side(2, "decode-only"), side(3, "both")  # D expects draft layers that P does not hold
     with pytest.raises(LayoutMismatch, match=r"which 0 prefill pools hold, not one: prefill TP 2: rank 0 "
                                              r"\[heads 0-5 x layers 0-2\].*decode TP 3"):
         plan(placements(src), placements(dst), range(TARGET_LAYERS + DRAFT_LAYERS))
     small = [[(KVPool(PAGES, TARGET_LAYERS, PAGE * 2, HEADS, DIM, torch.float32), 0, 0)]]  # another page size
     with pytest.raises(LayoutMismatch, match="block of"):
-        plan(placements(small), placements(side(1, "decode_only")), range(TARGET_LAYERS))
+        plan(placements(small), placements(side(1, "decode-only")), range(TARGET_LAYERS))

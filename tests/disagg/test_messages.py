@@ -7,13 +7,13 @@ import torch
 import zmq
 
 from specpd.core import SamplingParams
-from specpd.disagg.messages import (MESSAGE_TYPES, Abort, AbortAck, ConfigMismatch, DecodeRegister, HandoffRecord,
-                                    Heartbeat, KVDestination, KVEndpoint, MessageError, PeerConfig, PoolLayout,
-                                    PoolPlacement, TargetFeatures, TransferDone, TransferFailed, check_compatible,
-                                    decode, encode, recv_message, send_message)
+from specpd.disagg.messages import (MESSAGE_TYPES, PROTOCOL_VERSION, Abort, AbortAck, ConfigMismatch, DecodeRegister,
+                                    HandoffRecord, Heartbeat, KVDestination, KVEndpoint, MessageError, PeerConfig,
+                                    PoolLayout, PoolPlacement, TargetFeatures, TransferDone, TransferFailed,
+                                    check_compatible, decode, encode, recv_message, send_message)
 
 CFG = PeerConfig(model="smollm2-135m", draft_model="eagle3-smollm2", page_size=16, dtype="bfloat16",
-                 spec_algorithm="eagle3", draft_mode="decode_only")
+                 spec_algorithm="eagle3", draft_mode="decode-only")
 PARAMS = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=1234, stop=("\n\n",),
                         stop_token_ids=(2, 7), logprobs=3)
 
@@ -30,7 +30,7 @@ def _handoff_both() -> HandoffRecord:
 
 def _handoff_decode_only(n: int, dtype: torch.dtype) -> HandoffRecord:
     return HandoffRecord(room=8, request_id="req-2", prompt_len=n, handoff_token=0, handoff_logprob=None,
-                         sampling_params=SamplingParams(), draft_mode="decode_only",
+                         sampling_params=SamplingParams(), draft_mode="decode-only",
                          target_hidden=torch.randn(n, 3 * 32).to(dtype))
 
 
@@ -101,7 +101,7 @@ def test_handoff_tensor_shapes_and_dtypes():
                            sampling_params=PARAMS, draft_hidden=torch.tensor(2.5, dtype=torch.bfloat16))
     assert decode(encode(scalar)).draft_hidden.shape == ()
     strided = HandoffRecord(room=1, request_id="x", prompt_len=4, handoff_token=1, handoff_logprob=0.0,
-                            sampling_params=PARAMS, draft_mode="decode_only",
+                            sampling_params=PARAMS, draft_mode="decode-only",
                             target_hidden=torch.arange(32.0).view(8, 4).t()[:, :4].t())
     assert torch.equal(decode(encode(strided)).target_hidden, strided.target_hidden)
 
@@ -138,11 +138,12 @@ def test_malformed_frames_raise_message_error():
     with pytest.raises(MessageError, match="version"):
         decode([b'{"v": 99, "type": "AbortAck", "body": {"room": 1}}'])
     with pytest.raises(MessageError, match="unknown message type"):
-        decode([b'{"v": 1, "type": "Pickle", "body": {}}'])
+        decode([b'{"v": %d, "type": "Pickle", "body": {}}' % PROTOCOL_VERSION])
     with pytest.raises(MessageError, match="unknown nested"):
-        decode([b'{"v": 1, "type": "AbortAck", "body": {"room": {"__dataclass__": "os", "fields": {}}}}'])
+        decode([b'{"v": %d, "type": "AbortAck", "body": {"room": {"__dataclass__": "os", "fields": {}}}}'
+                % PROTOCOL_VERSION])
     with pytest.raises(MessageError, match="fields"):
-        decode([b'{"v": 1, "type": "AbortAck", "body": {"rooom": 1}}'])
+        decode([b'{"v": %d, "type": "AbortAck", "body": {"rooom": 1}}' % PROTOCOL_VERSION])
     with pytest.raises(MessageError, match="JSON"):
         decode([b"\xff"])
     with pytest.raises(TypeError):

@@ -95,7 +95,7 @@ def stream_tokens(client: httpx.Client, body: dict) -> list[int]:
 @pytest.fixture(scope="module")
 def eagle_dir(model_dir, tmp_path_factory):
     from specpd.config import ModelConfig
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     from specpd.model.loader import load_checkpoint
     path = str(tmp_path_factory.mktemp("tiny_eagle"))
     random_draft_checkpoint(path, "eagle", ModelConfig.from_hf(load_checkpoint(model_dir).hf_config), seed=1)

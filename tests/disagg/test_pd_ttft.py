@@ -24,7 +24,7 @@ import torch
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.disagg.timeline import STAGES
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
 from specpd.server.launch import free_port

@@ -27,7 +27,7 @@ BIG = 30_000_000
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from specpd.config import ModelConfig
-    from specpd.draft.loader import random_draft_checkpoint
+    from specpd.spec.draft.loader import random_draft_checkpoint
     from specpd.model.loader import load_checkpoint
     from specpd.server.launch import ServerStartError, serve_processes
     from tests.model.hf_models import save_tiny_model

@@ -2,7 +2,7 @@
 import pytest
 
 from specpd.config import ModelConfig
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from tests.model.hf_models import save_tiny_model
 
 

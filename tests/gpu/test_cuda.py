@@ -21,7 +21,7 @@ from specpd.attention.torch_backend import TorchAttentionBackend
 from specpd.attention.triton_backend import TritonAttentionBackend
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.kernels.kv_compact import compact_kv, compact_kv_ref
 from specpd.kernels.paged_attention import paged_decode_attention, paged_extend_attention

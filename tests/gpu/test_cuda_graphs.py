@@ -15,7 +15,7 @@ import torch
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
 from tests.model.hf_models import save_tiny_model

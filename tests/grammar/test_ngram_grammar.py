@@ -3,7 +3,7 @@ a lower-ranked allowed candidate takes their slot, and the matcher is left where
 import xgrammar as xgr
 
 from specpd.core import Request, SamplingParams
-from specpd.draft.ngram import NgramProposer
+from specpd.spec.draft.ngram import NgramProposer
 from specpd.grammar.matcher import GrammarStats, RequestGrammar
 
 VOCAB = ["a", "b", "c", "ab", "</s>"]

@@ -12,8 +12,8 @@ import xgrammar as xgr
 from specpd.core import SamplingParams
 from specpd.grammar.matcher import GrammarStats, RequestGrammar, mask_tree_logits
 from specpd.model.sampler import SamplingRow, process_logits
-from specpd.verify.rejection import verify_trees
-from specpd.verify.tree import DraftTree
+from specpd.spec.verify.rejection import verify_trees
+from specpd.spec.tree import DraftTree
 
 VOCAB = ["a", "b", "c", "ab", "</s>"]
 A, B, C, AB, EOS = range(5)

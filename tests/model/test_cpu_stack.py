@@ -18,7 +18,7 @@ from specpd.engine.llm_engine import LLMEngine
 from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32, cpu_gemm_q
 from specpd.model import cpu_stack
 from specpd.model.loader import load_checkpoint
-from tests.engine.test_spec_smollm2 import collect_logprobs
+from tests.spec.test_smollm2 import collect_logprobs
 
 pytestmark = pytest.mark.skipif(cpu_stack._fn() is None, reason="no C compiler (SPECPD_C_KERNELS=0)")
 # each dtype where the project's GEMM kernel for it runs (else the stack never builds)

@@ -12,7 +12,7 @@ import torch
 from specpd.attention.flashinfer_backend import FlashInferAttentionBackend
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.cuda_graphs import graphs_on
 from specpd.model.loader import load_checkpoint

@@ -18,7 +18,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specpd.core import SamplingParams
 from specpd.engine.llm_engine import LLMEngine
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.model.loader import load_checkpoint
 from specpd.model.tp import RankFailed, shard_weights
 from tests.model.hf_models import save_tiny_model

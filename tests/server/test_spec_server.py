@@ -5,7 +5,7 @@ import pytest
 
 from specpd.config import CacheConfig, EngineConfig, ModelConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import random_draft_checkpoint
+from specpd.spec.draft.loader import random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.model.loader import load_checkpoint
 from tests.server.launcher import launch_server

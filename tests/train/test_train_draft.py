@@ -13,7 +13,7 @@ from specpd.attention.metadata import AttentionMetadata
 from specpd.attention.torch_backend import TorchAttentionBackend
 from specpd.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from specpd.core import SamplingParams
-from specpd.draft.loader import load_draft_model, random_draft_checkpoint
+from specpd.spec.draft.loader import load_draft_model, random_draft_checkpoint
 from specpd.engine.llm_engine import LLMEngine
 from specpd.kv.pool import KVPool
 from specpd.model.loader import load_checkpoint

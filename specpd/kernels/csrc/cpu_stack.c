@@ -93,7 +93,7 @@ int specpd_stack(int dt, int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t 
   return rc;
 }
 
-/* EAGLE-3's draft forward (specpd/draft/eagle3.py, Eagle3Draft.forward and Eagle3MidLayer) in one call, on the
+/* EAGLE-3's draft forward (specpd/spec/draft/eagle3.py, Eagle3Draft.forward and Eagle3MidLayer) in one call, on the
    kernels its Python path calls, in the same order: fc over the fused target features (when given), the two
    input norms side by side in one [T, 2H] row, qkv, paged attention at the draft's layer 0, o, the residual add,
    the post-attention norm, gate/up, SiLU x up, down, the second residual add. `rows` (R of them, or NULL for

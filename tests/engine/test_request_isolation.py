@@ -69,7 +69,11 @@ def test_a_failing_request_fails_alone(model_dir, eagle3_dir, monkeypatch, spec,
     _let_through(monkeypatch, engine, "bad")
     got = _run(engine, {**_good(), "bad": (list(range(60, 90)), BAD[bad])})
     assert got["bad"].finish_reason == "abort" and WHERE[bad] in got["bad"].error
-    assert {rid: o.token_ids for rid, o in got.items() if rid != "bad"} == {rid: o.token_ids for rid, o in expected.items()}
+    # a seeded request's speculative tokens move with its batch's make-up, bad request or not (the draft's q over
+    # a different row count; lossless in distribution): under a tree its batch-mates are held to finishing whole
+    exact = [rid for rid in expected if spec == "plain" or _good()[rid][1] is GREEDY]
+    assert {rid: got[rid].token_ids for rid in exact} == {rid: expected[rid].token_ids for rid in exact}
+    assert all(len(got[rid].token_ids) == len(expected[rid].token_ids) for rid in expected)
     assert all(o.error is None for rid, o in got.items() if rid != "bad")
     assert engine.free_pages == NUM_PAGES
     again = _run(engine, {"after": (PROMPTS[0], GREEDY)})  # the engine serves on

@@ -23,28 +23,27 @@ DECAY = 0.9  # a request's statistics forget at this rate per round (acceptance 
 GLOBAL_RATE = 0.1  # engine-wide EMA step per observation: a useless draft is known within a few rounds
 # a new request's prior is the per-request average (each finished request's whole-life conditional rate per depth,
 # EMA at this step per request, a request with fewer than REQUEST_EVIDENCE outcomes at a depth moving it that much
-# less), not the per-observation rate: that holds the last request's last rounds. It read 0.92 after a c1 cell whose
-# verifies accepted 0.61 at depth 1 (8 new requests started from it bet depth 4-5 at batch 8, where such a round
-# costs three plain ones), and at chat c1 it swung 0.3-0.95 at depth 1 and 0.2-0.95 at depth 2 request to request
-# while the per-request average held 0.60-0.76: as the lower of the two it started requests at 0.32 / 0.20, one
-# miss then put them at depth 0, and a fixed-depth server committed 2.15 tokens a round over the rounds the
-# adaptive one spent there (issue 32)
+# less), not the per-observation rate: that holds the last request's last rounds, and it swings request to request
+# where the per-request average holds steady. After a reply that ended accepting well, a batch of new requests
+# started from it bet deep rounds, each costing several plain ones; taken as the lower of the two, it started
+# requests so low that one miss put them at depth 0, over rounds where a fixed-depth server committed several
+# tokens each (issue 32)
 REQUEST_RATE = 0.2
 REQUEST_EVIDENCE = 16
 # the other running requests' outcomes so far count with it, the average weighing as this many outcomes: a batch of
 # requests whose draft is useless learns it from each other's misses within a few rounds (alone, each one's own
-# misses against the prior's weight kept it at ~0.2, where a cheap verify row still paid). A lone request has no
+# misses against the prior's weight kept it where a cheap verify row still paid). A lone request has no
 # others: its prior is the finished requests' average
 PRIOR_POOL = 8.0
 PROBE_MIN, PROBE_MAX = 8, 128
 # a shadow probe's interval stops doubling here: it costs no verify row (its catch-up draws on the probe budget),
-# and it is the only way back to speculating once the engine-wide rate fell (a c1 server whose first
-# replies accepted little probed every 128 rounds, i.e. about once a reply, and stayed at depth 0: issue 32)
+# and it is the only way back to speculating once the engine-wide rate fell (a lone-request server whose first
+# replies accepted little probed every PROBE_MAX rounds, about once a reply, and stayed at depth 0: issue 32)
 SHADOW_PROBE_MAX = 32
 # a request at depth 0 forgets too: every IDLE_DECAY_EVERY rounds there its statistics decay by IDLE_DECAY, so its
 # estimate drifts back to the engine-wide prior. Forgetting only per outcome kept a lone chat request whose last
-# verifies missed at depth 0 for the rest of its reply (the text moved on, its estimate did not): 58-78% of a c1
-# server's rounds where every speculating round class committed a token in 17% less time (issue 32)
+# verifies missed at depth 0 for the rest of its reply (the text moved on, its estimate did not): most of a
+# lone-request server's rounds, where every speculating round class committed a token in less time (issue 32)
 IDLE_DECAY, IDLE_DECAY_EVERY = 0.7, 8
 
 
@@ -72,9 +71,9 @@ class AcceptanceEstimates:
         self.frozen = frozen
         self.global_accept = [PRIOR_ACCEPT] * num_steps
         # engine-wide observations per level: an unseen level follows the one above (`effective_global`). Its
-        # prior held at PRIOR_ACCEPT while the levels above learned ~0.95 (a grounded n-gram copying spans) read as
-        # a trend of 0.5 / 0.95 past the deepest level tried, so no request went deeper: the adaptive policy
-        # stayed at depth 3 with 2.7 tokens a verify where a fixed 5-chain commits 4.9 (issue 32)
+        # prior held at PRIOR_ACCEPT while the levels above learned near-certain acceptance (a grounded n-gram
+        # copying spans) read as a falling trend past the deepest level tried, so no request went deeper: the
+        # adaptive policy committed fewer tokens a verify than a fixed chain of the full depth (issue 32)
         self.global_seen = [0] * num_steps
         # per depth, averaged over finished requests (REQUEST_RATE): the prior a new request starts from
         self.request_rates = [PRIOR_ACCEPT] * num_steps
@@ -108,8 +107,8 @@ class AcceptanceEstimates:
         tried yet, and one that fails early is not. narrow: the top path's, whose prior at depth 1 is the
         request's full-width rate times the top path's share of it (`top_path_share`), and deeper the request's
         own narrow rate one level up times the trend of that prior. (Priors taken from the full width at every
-        depth kept a request whose narrow rounds accepted 0.95 at depth 3 priced at ~0.4 at depth 4, which it
-        then never tried: a grounded n-gram request stayed at 3 proposals a round, issue 32.) `full`, `share`: the
+        depth kept a request whose narrow rounds nearly always accepted priced low one level deeper, which it
+        then never tried: a grounded n-gram request stayed short of the full depth, issue 32.) `full`, `share`: the
         request's full-width rates and `top_path_share()` where the caller has them (a plan reads every request's)."""
         st = self._get(request_id)
         if narrow:
@@ -210,9 +209,9 @@ class AcceptanceEstimates:
         """A round `st`'s request spent at depth 0: once IDLE_DECAY_EVERY of them passed, its statistics decay in the
         next round it runs `lone` (not frozen). A decay is an observation for the idle shortcut (the estimates
         moved). Lone requests only: in a batch a request's return to speculating puts the whole batch in a
-        speculating round, and with the decay at every batch size a closed loop of 8 chat clients speculated in 3%
-        of rounds, not 1.6%, and lost ~2% more to plain (profile_depth0); each request's decays on its own
-        schedule there also broke the idle shortcut in nearly every round of a closed loop of 32."""
+        speculating round, and with the decay at every batch size a closed loop of chat clients speculated in
+        more rounds and lost more to plain (evals/spec_depth0.py --closed-loop); each request's
+        decays on its own schedule there also broke the idle shortcut in nearly every round of a larger loop."""
         st.idle_since_decay += 1
         if self.frozen or not lone or st.idle_since_decay < IDLE_DECAY_EVERY:
             return

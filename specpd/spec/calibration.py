@@ -11,10 +11,10 @@
 Scratch pages come from the engine's allocator and go back to it.
 The clock (`calibration_clock`): with one torch thread every forward runs on the calling thread, so its CPU
 time is the forward's cost whatever else the box runs; wall time is not. The two servers of a 1P1D cluster
-start together on a 2-core box (each loading, then calibrating), and other work may share the cores: on a
-loaded box, six decode servers' wall-clock tables read one row at 72 to 221 ms and their shapes differed start
-to start (one flat from 1 to 16 rows: verify rows for free), where thread CPU time read 46-51 ms and the same
-shape in every start (docs/speculative-decoding.md, issue 31). The table's level is the online scale's to
+start together on the same few cores (each loading, then calibrating), and other work may share the cores: on
+a loaded box, decode servers' wall-clock tables differed start to start in level and in shape (a flat one
+prices verify rows as free), where thread CPU time read the same level and shape in every start (issue 31).
+The table's level is the online scale's to
 correct (cost.py); its shape is what a decision reads. With several threads a forward's work is spread
 over threads this one cannot see, so wall time it is (a busy box then still bends the table).
 """

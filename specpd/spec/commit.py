@@ -39,8 +39,9 @@ class TreeVerifier:
         the tree's nodes): greedy trees by argmax; sampled ones in one batch (one process_logits over all their
         nodes, one verify_trees; each request's coins from its own generator, in batch order).
         batch_logits: the round's logits, of which every tree's are the row slice from offsets[j] (views, so the
-        grammar masks write into it): the greedy trees' argmax is then one call over all of them (at batch 32 an
-        argmax per tree cost 3 ms a round, as much as the verify rows of the requests that speculated)."""
+        grammar masks write into it): the greedy trees' argmax is then one call over all of them (an argmax per
+        tree is a call per request: in a large batch they cost as much as the verify rows of the requests that
+        speculated)."""
         runner = self.runner
         out: list = [None] * len(tree_logits)
         sampled, greedy = [], []

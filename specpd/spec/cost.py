@@ -13,20 +13,20 @@ import bisect
 ONLINE_RATE = 0.1  # cost-model EMA step per measured forward
 DRAFT_SCALE_RANGE = (0.5, 8.0)
 SPEC_SCALE_RANGE = (1.0, 8.0)  # spec_scale only raises the prices: read off a round's execute alone (before its
-# cycle was), it went below 1 at batch 8, which then speculated in 9 of 10 rounds and lost 7% end to end
+# cycle was), it could fall below 1, and a batch priced so speculated in nearly every round and lost to plain
 SPEC_SCALE_BUCKETS = (1, 2, 4, 8, 16)  # spec_scale is learned per batch size bucket (the largest of these <= it)
 # a lone request's rounds read spec_scale per option (depth and width) and both ways: `CostModel.spec_scale`
 OPTION_SCALE_RANGE = (0.5, 8.0)
 # and an option not run relaxes towards its bucket's scale by this step (log space) each time another is read: an
-# option is read only when run, so one read dear in a contended stretch of this shared box (1.33-1.38x) was never
-# chosen again, and a c1 chat request sat on narrow rounds for the rest of its reply (the adaptive policy 5% behind
-# the full tree every round, profile_spec_round)
+# option is read only when run, so one read dear in a contended stretch of a shared machine was never chosen again,
+# and a lone chat request sat on narrow rounds for the rest of its reply, behind the full tree every round (the
+# adaptive policy against a fixed shape: evals/spec_round_cost.py, evals/results/spec_round_cost.json)
 OPTION_RELAX = 0.05
 EXTEND_SCALE_RANGE = (0.5, 8.0)
 # one round's reading moves a learned price by at most a step towards OUTLIER x (or 1 / OUTLIER x) it, plus
-# OUTLIER_FLOOR_S for an additive one: a round the box stalled for seconds (a shared 2-core VM does) once set
-# `round_overhead` to ~0.5 s a request, and as only a speculating round reads it again, that server never
-# speculated again, at any concurrency (a paired bench rep: 0.47x plain at chat c1, then depth 0 in every cell)
+# OUTLIER_FLOOR_S for an additive one: a round the machine stalled for seconds (a shared VM does) would otherwise
+# set `round_overhead` to a price no speculating round pays back, and as only a speculating round reads it again,
+# that server would never speculate again, at any concurrency
 OUTLIER = 4.0
 OUTLIER_FLOOR_S = 1e-3
 SCALE_READING = (0.5, 2.0)  # one decode round's reading of `CostModel.scale`, relative to the scale so far, is
@@ -92,27 +92,27 @@ class CostModel:
         self.draft_rows = PiecewiseLinear(draft_rows) if draft_rows else None  # None: model-free drafter
         # one draft extend over `rows` rows of one request (the head on its last row alone); None: extends are
         # priced as draft forwards (a pinned table). Priced with the head on every row, as a draft level runs, a
-        # lone chat request's prompt catch-up (~150 rows) read 8.5 ms on an AVX512-BF16 EPYC where it runs in 1.3
-        # ms, and times draft_scale (2.6, learned on rounds of a few rows) 26 ms: a shadow probe the budget saved
-        # up for over ~500 rounds, so a request that began at depth 0 never probed in its reply (c1 at 0.86x plain)
+        # prompt's catch-up (every prompt row) read several times what it runs in, and more again times
+        # draft_scale (learned on rounds of a few rows): a shadow probe the budget saved up for over most of a
+        # reply, so a lone request that began at depth 0 never probed in its reply
         self.extend_rows = PiecewiseLinear(extend_rows) if extend_rows and draft_rows else None
         # measured / priced seconds of a catch-up (one extend call, timed alone: `observe_extend`), on top of the
-        # online scale: served, between target forwards, an extend read ~2.5x its warm table (the draft's weights
-        # and the request's KV come from memory, not cache), and probes priced at the table spent ~1% of a batch of
-        # 8's time against their 0.5% budget
+        # online scale: served, between target forwards, an extend runs well above its warm table (the draft's
+        # weights and the request's KV come from memory, not cache), and probes priced at the table overspent
+        # their budget (policy.PROBE_BUDGET)
         self.extend_scale = 1.0
         self.frozen = frozen
         self.clock = clock  # what the startup table was timed with: "thread_cpu" or "wall" (calibration.py)
         # measured / tabled seconds of a decode round's target forward (longer contexts than the calibration's,
         # the box's drift, a core shared with a prefill server), learned online and applied to every row count:
         # what slows a forward on a shared CPU (time slices, memory bandwidth, attention over a longer context)
-        # slows its every row alike. It was an additive level per request once: under PD a decode server read
-        # 15-58 ms per request above the table, which made a plain round look slow and so a verify row cheap
-        # against it, and the policy speculated where it lost. Moving the observed row count's point alone, as
-        # the model did before that, once made a batch of 8 see rows 9-23 at one price: verify rows for free.
-        # The draft's prices move with it: the same core runs both. They did not once, and a table timed while
-        # the box was busy (every forward 2x) left a decode server that never speculated pricing its draft at
-        # 2x for good (draft_scale learns only from speculating rounds), its probes and rounds never paying.
+        # slows its every row alike. Not an additive level per request: under PD a decode server's forwards run
+        # well above the table, and such a level made a plain round look slow and so a verify row cheap against
+        # it, and the policy speculated where it lost. Not the observed row count's point alone: that left the
+        # rows past it at one price, verify rows for free. The draft's prices move with it: the same core runs
+        # both. Apart, a table timed while the machine was busy left a decode server that never speculated
+        # pricing its draft high for good (draft_scale learns only from speculating rounds), its probes and
+        # rounds never paying.
         self.scale = 1.0
         # measured / predicted seconds of what a speculating round adds outside the target forward, the
         # prediction already at the online scale: the draft's own drift from its share of the table (Python
@@ -122,19 +122,21 @@ class CostModel:
         # seconds per request (every request of the batch, at any depth) that a round in which any request
         # speculates adds outside its draft work and the depth-0 bookkeeping: the verify path (trees, verify,
         # commit) runs for the whole batch. It grows with the batch, not with the draft's rows: charged to the
-        # draft's price (draft_scale), a batch of 32 read its draft at 3x the table and still took rounds where one
-        # request speculated and the round cost 20% more than a plain one (evals/results/peers.json, c32)
+        # draft's price (draft_scale), a large batch read its draft far above the table and still took rounds where
+        # one request speculated and the round cost more than a plain one (evals/bench_peers.py at its highest
+        # concurrency, evals/results/peers.json)
         self.round_overhead = 0.0
-        # measured / priced seconds that speculating adds to a round, over all the parts above (spec_policy 5b), per
-        # batch-size bucket: at batch 32 a speculating round's cycle read 1.7x its price (prefill interplay, a
+        # measured / priced seconds that speculating adds to a round, over all the parts above (policy.py, 5b), per
+        # batch-size bucket: a large batch's speculating round runs well above its price (prefill interplay, a
         # whole batch's verify bookkeeping), and one engine-wide scale then priced a lone request's rounds so
-        # dear that a grounded n-gram request (tau ~4) never speculated after a c32 run
+        # dear that a grounded n-gram request, its drafts nearly always accepted, never speculated after a large
+        # batch had run
         self._spec_scales: dict[int, float] = {}
         # the same for a lone request, per option (depth k full width, -k narrow), and both ways: one round runs
-        # one option, so its cycle reads that option's price alone. The startup table's shape (what 5 verify rows
-        # cost over 1) differed process to process (1.08x-1.35x in five starts on one box, each start stable), and
-        # a start that read it steep priced a full round ~10% above its cycle, which a scale kept >= 1 never
-        # corrected: such servers sat at depth 0 in 58-78% of a lone chat request's rounds (issue 32)
+        # one option, so its cycle reads that option's price alone. The startup table's shape (what a full tree's
+        # verify rows cost over one row) differs process to process on one machine, each start stable, and a start
+        # that reads it steep prices a full round above its cycle, which a scale kept >= 1 never corrects: such a
+        # server sat at depth 0 through most of a lone chat request's rounds (issue 32)
         self._option_scales: dict[int, float] = {}
         self.spec_readings = 0  # speculating rounds read into spec_scale (the policy's idle shortcut keys on it)
 
@@ -185,9 +187,9 @@ class CostModel:
         if self.frozen or requests <= 0:
             return
         lo, hi = SCALE_READING
-        # bounded around the scale so far, not around 1: a box running every forward 3x the table (a busy 2-core
-        # box) was read as 2x, while the draft's prices, learned apart from it (draft_scale), followed to 3x and
-        # so read 1.5x their share of a round
+        # bounded around the scale so far, not around 1: around 1, a busy machine running every forward
+        # past SCALE_READING's upper bound of the table was read at that bound, while the draft's prices, learned
+        # apart from it (draft_scale), followed all the way and so read above their share of a round
         ratio = min(hi * self.scale, max(lo * self.scale, seconds / max(self._table(requests, rows), 1e-9)))
         self.scale += ONLINE_RATE * (ratio - self.scale)
 
@@ -205,8 +207,9 @@ class CostModel:
         if speculated and predicted_draft_s <= 0:
             # a model-free drafter (n-gram): no draft forward to scale, and its proposals cost next to nothing, so
             # what the round adds is the verify path's, which runs for the whole batch: `round_overhead`, per request.
-            # Charged per speculating request instead, one n-gram request speculating at batch 32 read 18.7 ms, and a
-            # lone request's depth-1 round was then priced at 3.4x a plain one (it never speculated again)
+            # Charged per speculating request instead, one n-gram request speculating in a large batch bore the whole
+            # batch's verify path, and a lone request's depth-1 round was then priced at several plain ones (it never
+            # speculated again)
             if self.off_overhead is not None:
                 per = max(outside_s - self.off_overhead * requests, 0.0) / requests
                 self.round_overhead = _ema_add(self.round_overhead, per)

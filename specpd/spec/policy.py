@@ -25,15 +25,17 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      engine-wide budget of PROBE_BUDGET of the modelled time: a probe's cost falls on the whole batch
      while its gain is one request's, so at batch 16 sixteen requests probing on their own schedules
      would cost far more than one does at batch 1. The budget saves up PROBE_CREDIT_ROUNDS rounds' worth, or
-     the price of the dearest probe waiting for it where that is more, so every probe is taken in time. A request whose draft is in step (nothing deferred: after
-     a speculating round, or under PD the handoff's extend) shadow-probes for free.
+     the price of the dearest probe waiting for it where that is more, so every probe is taken in time. A
+     request whose draft is in step (nothing deferred: after a speculating round, or under PD the handoff's
+     extend) shadow-probes for free.
   4b. What the deferred tokens cost: a catch-up is the work speculating again adds (nothing runs a request's
      deferred extends otherwise: they go to the prefix cache with its pages, defer.py), so a speculating
      decision is charged its rows, and a probe all it catches up, the prompt's rows included (4c). Until the
      cache kept the features, every finishing request ran its deferred extends (the settle), a catch-up was
      work moved earlier and went uncharged (`catch_up_settled`, which `--spec-adaptive-pinned` keeps: its rounds
-     then depend on the request's own history only), and at chat c32 the prompt catch-ups of probes that were
-     priced one draft forward each came to ~2% of the step, the settles another ~1.4%. A catch-up and a round's
+     then depend on the request's own history only), and in a large chat batch the prompt catch-ups of probes that
+     were priced one draft forward each, and the settles, were a real share of the step (evals/spec_depth0.py
+     times both). A catch-up and a round's
      extend are priced as an extend runs (`CostModel.extend`: the head on the last row alone, its scale read off
      the catch-ups). (Charged in full while
      the engine settled them anyway, a request at depth 0 had come back only through a probe whose price grew a
@@ -53,20 +55,21 @@ more than a GPU one) and on the batch (large batches are compute-bound). The pol
      and the HTTP thread's share of the GIL included) over what a depth-0 round of the same batch size took
      (measured the same way, an EMA per batch size) against what the plan priced speculating at scales every
      price of speculating (`CostModel.spec_scale`, never below 1), per batch-size bucket (1, 2-3, 4-7, 8-15,
-     16+: what a batch of 32 pays beyond its price is not what a lone request pays). The parts above are read on the shape the
-     startup table was timed on (one request, 128 tokens of context); a verify row at batch 32 over a long
-     context costs more than that, and without this the policy took rounds that cost 10% more than they gave.
+     16+: what a batch of 32 pays beyond its price is not what a lone request pays). The parts above are read on
+     the shape the startup table was timed on (one request, 128 tokens of context); a verify row at batch 32
+     over a long context costs more than that, and without this the policy took rounds that cost more than
+     they gave.
      A lone request's round runs one option, so there the scale is read per option and may go below 1: the
      startup table's shape differs start to start, and a start that read verify rows steep overpriced every
      speculating round of a lone request for its life (CostModel.spec_scale).
   6. A plan that put everyone at depth 0 stands without a search (`_idle_holds`) while the batch, the
-     outcomes seen and the online prices stay as they were and the catch-ups only grow: at batch 8 the
-     search cost ~0.9 ms a round, ~1% of a round that then only decodes.
+     outcomes seen and the online prices stay as they were and the catch-ups only grow: the search is pure
+     overhead on a round that then only decodes (evals/spec_depth0.py times it as `policy_plan`).
   7. A round that carries a prefill chunk does not speculate. Its price is the chunk's (hundreds of rows), so
      verify rows look free beside it, but no online reading corrects that price (only decode rounds are
      read: a chunk's own cost would be read as speculation's), and a speculating round's batch-wide cost
-     (every decode request's verify, the catch-ups) is real: in a closed loop of 32 chat clients such rounds
-     all speculated and the spec server fell 6% behind the same server at depth 0. (A PD decode server has
+     (every decode request's verify, the catch-ups) is real: in a closed loop of many chat clients such rounds
+     all speculated and the spec server fell behind the same server at depth 0. (A PD decode server has
      no prefill chunks; the anchors' EAGLE runs a prefill batch apart from the decode batch.)
 It changes speed, never output: the verify is lossless whatever the depth.
 `frozen=True` (tests): no online refinement and no engine-wide learning, so a request's plan depends
@@ -110,7 +113,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         # shadow probes (a drafter with a draft state, EAGLE-family): a probing request stays at depth 0 and
         # only catches its draft up; whether the token it then commits is the draft's top-1 is the probe's
         # outcome. It costs the catch-up extend without a verify row (at batch 8 one more row crosses the
-        # CPU kernel's 8-row block: +10% of the step)
+        # CPU kernel's 8-row block, a step up in the whole forward's cost)
         self.shadow = shadow
         self.shadow_probes: list[str] = []  # the last plan's shadow-probing requests
         self.stats = PlanStats()
@@ -246,7 +249,7 @@ class AdaptivePolicy(AcceptanceEstimates):
         if any(depth) and not self.frozen:  # what speculating adds to this round, as priced (observe_round_time)
             # with the catch-ups it will run (`pending`), which a decision may leave uncharged (4b) but the round's
             # cycle holds: read against the decisions' price, a lone request's first round back from depth 0 (its
-            # catch-up dozens of rows) read its option at 1.3-1.4x, and that option was not chosen again
+            # catch-up dozens of rows) read its option dear, and that option was not chosen again
             run = (pending, *priced[1:])
             base = self._round_time([0] * len(depth), gains, *run)
             option = self._option(depth, priced[1])
@@ -319,7 +322,8 @@ class AdaptivePolicy(AcceptanceEstimates):
         if not self.frozen:
             # saved up to PROBE_CREDIT_ROUNDS rounds' worth, or to the dearest waiting probe where that costs more: a
             # probe dearer than the cap (a lone request's depth-1 round once spec_scale has risen) was never taken,
-            # so its request never learned it accepts (a grounded n-gram request at tau ~4 decoded plainly)
+            # so its request never learned it accepts (a grounded n-gram request whose drafts nearly always
+            # pass decoded plainly)
             self.probe_credit = min(self.probe_credit, max(PROBE_BUDGET * PROBE_CREDIT_ROUNDS * now, needed))
         return extra[0]
 

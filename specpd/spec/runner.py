@@ -196,7 +196,7 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
         its top-k for the token the round committed. A full-width round's tree keeps any of its first level
         (up to min(K, T - 1) of the top-k), a narrow round its top-1: a greedy verify accepts depth 1 iff the
         token is among them. Counting the top-1 hit as the tree's (as before) read the chat workload's depth-1
-        acceptance as ~0.2 against the tree's ~0.6, and a server that once stopped speculating never started
+        acceptance far below the tree's, and a server that once stopped speculating never started
         again: its probes were its only evidence (issue 32). An n-gram drafter's guesses are its lookup's,
         made before the round (`first_guesses`): free, so a model-free request at depth 0 probes every round,
         where a verify-row probe waited for the probe budget and a grounded n-gram server whose first requests

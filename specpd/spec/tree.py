@@ -27,7 +27,8 @@ class DraftTree:
     Each of tokens / parents / depth / cum_logprob is given as a tensor or a list and read either way: the
     tensor (`tokens`, ...) or the list (`token_list`, ...), each made from the other on first use and kept. A
     round reads a tree's handful of nodes as lists (its verify inputs, the greedy walk, the hybrid's merge): a
-    tree built from lists never makes the tensors it is not asked for (four at ~10 us each, per tree per round).
+    tree built from lists never makes the tensors it is not asked for (four per tree per round, each a torch
+    call's overhead for a handful of values).
     """
 
     _FIELDS = ("tokens", "parents", "depth", "cum_logprob")
@@ -189,10 +190,10 @@ class TreeBuilder:
     candidates, each with its top-k. Every candidate ever created competes in `finalize()`.
     Pool size: 1 + topk + (num_steps - 1) * topk**2 nodes, numbered in creation order.
 
-    The pool is Python lists (a tree has a handful of nodes: each torch op on them cost ~10 us, and a b1 round's
-    builders ~0.5 ms, ~4% of the round); scores are float32 as before (the log in torch, the sums rounded to
-    float32), so frontiers and trees are the torch builder's (tests/spec/tree_reference.py). Tensors are made
-    at `finalize` and by the views below.
+    The pool is Python lists (a tree has a handful of nodes, so a torch op on them is all call overhead, and at
+    batch 1 the builders' ops were a real share of the round); scores are float32 as before (the log in torch,
+    the sums rounded to float32), so frontiers and trees are the torch builder's (tests/spec/tree_reference.py).
+    Tensors are made at `finalize` and by the views below.
     """
 
     def __init__(self, root_token: int, topk: int, num_steps: int, num_draft_tokens: int,

@@ -1,9 +1,10 @@
 """EAGLE-3's CPU draft forward in one C call, bf16 or fp32 (csrc/cpu_stack.c, specpd_eagle3): no per-op Python.
 
 A speculating round runs the one-layer draft two or three times (the catch-up extend, a forward per draft level
-past the first). Its weights are ~10 MB, a 25th of the target's, but its Python path makes ~15 calls into C and
-torch per forward (norms, a concat, five GEMMs, attention, adds): ~0.3 ms, as much as the GEMMs themselves,
-which at batch 1 is a fifth of what speculating adds to a round (issue 32). `Eagle3Stack.run` makes one call
+past the first). Its weights are a small fraction of the target's, but its Python path makes a call into C or
+torch per op (norms, a concat, five GEMMs, attention, adds), whose overhead rivals the GEMMs themselves and at
+batch 1 is a large share of what speculating adds to a round (issue 32; evals/spec_round_cost.py times a
+round's parts). `Eagle3Stack.run` makes one call
 through the same kernels in the same order; its output equals the Python path's bit for bit
 (tests/spec/draft/test_eagle3_stack.py), K/V included.
 

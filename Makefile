@@ -53,7 +53,7 @@ test: install
 bench: install
 	$(BIN)/python -m evals.engine_offline
 
-# The peers evals/bench_peers.py measures specpd against, each in a venv of its own under .peers/ (never part
+# The peers evals/peers.py measures specpd against, each in a venv of its own under .peers/ (never part
 # of install or CI). vLLM's CPU build pins torch==2.13.0: it is installed first from the local wheel, so pip
 # never picks another torch (any other version is a multi-GB download). llama.cpp's server: the xllamacpp
 # wheel (CPU, AVX2). A peer that fails to install leaves .peers/<name>.failed with the reason (the bench

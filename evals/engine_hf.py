@@ -2,7 +2,7 @@
 
     .venv/bin/python -m evals.engine_hf            → evals/results/engine_hf.json
 
-The default model from specpd's converted copy (evals/peers.py `hf_dir`, the directory vLLM loads), fp32 (the
+The default model from specpd's converted copy (evals/peers_servers.py `hf_dir`, the directory vLLM loads), fp32 (the
 issue's bar: plain decode ≥ 1.5× HF `generate` at batch 1 in fp32; `--dtypes float32,bfloat16` adds bf16), at
 the thread count `specpd serve` picks here, in one process: HF `generate` (greedy, no EOS id: it neither
 stops nor masks EOS, as specpd's `ignore_eos`; its default SDPA attention and dynamic cache) and an `LLMEngine` with
@@ -24,7 +24,7 @@ import torch
 
 from evals.harness.prompts import held_out_sharegpt_prompts
 from evals.harness.results import command_line, log, machine_info, versions, write_json
-from evals.peers import hf_dir
+from evals.peers_servers import hf_dir
 
 from specpd.config import EngineConfig
 from specpd.core import SamplingParams

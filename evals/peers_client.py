@@ -1,4 +1,4 @@
-"""What evals/bench_peers.py does with a started server: its streaming client (one cell: a closed loop of
+"""What evals/peers.py does with a started server: its streaming client (one cell: a closed loop of
 `concurrency` requests), the parity prompts' greedy ids, τ around a cell, and a server's rep, one server at a time
 (`serve_and_measure`) or a dtype's servers up together, each cell run on all of them back to back (`paired_rep`)."""
 from __future__ import annotations
@@ -9,8 +9,9 @@ import time
 
 import httpx
 
-import peers
-from common import log, percentile, sse_chunks
+from evals import peers_servers as peers
+from evals.harness.client import peer_request
+from evals.harness.results import log, percentile
 
 PARITY_PROMPTS, PARITY_TOKENS = 2, 32
 PAIRED_GAP_S = 2.0  # --paired: between two servers' cells (vLLM's engine core spins ~1 s after its last request)
@@ -22,34 +23,6 @@ HUGE_PAGES_WAIT_S = 300.0
 
 
 # -- client ------------------------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    chunks, usage = 0, None
-    try:
-        async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return {"error": f"{resp.status_code}: {(await resp.aread())[:300]!r}"}
-            async for chunk in sse_chunks(resp):
-                if "error" in chunk:
-                    return {"error": str(chunk["error"])[:300]}
-                usage = chunk.get("usage") or usage
-                if any(ch.get("text") for ch in chunk.get("choices") or []):
-                    last = time.perf_counter()
-                    first = first if first is not None else last
-                    chunks += 1
-    except httpx.HTTPError as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    if first is None:
-        return {"error": "no tokens streamed"}
-    n = (usage or {}).get("completion_tokens") or chunks  # a chunk may hold several tokens (speculation)
-    return {"ttft_s": first - t0, "tpot_s": (last - first) / (n - 1) if n > 1 else None, "tokens": n,
-            "chunks": chunks, "spec_verify_count": (usage or {}).get("spec_verify_count"),
-            "spec_accept_length": (usage or {}).get("spec_accept_length")}
-
-
 def run_cell(base: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
     async def main():
         sem = asyncio.Semaphore(concurrency)
@@ -59,7 +32,7 @@ def run_cell(base: str, prompts: list[list[int]], concurrency: int, max_tokens: 
         async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
             async def gated(p):
                 async with sem:
-                    return await one_request(client, base, p, max_tokens)
+                    return await peer_request(client, base, p, max_tokens)
             t0 = time.perf_counter()
             rows = await asyncio.gather(*(gated(p) for p in prompts))
             return rows, time.perf_counter() - t0

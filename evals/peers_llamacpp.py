@@ -1,6 +1,6 @@
 """llama.cpp's HTTP server (OpenAI-compatible /v1/completions, /health, /metrics) from the xllamacpp wheel.
 
-Run by evals/bench_peers.py with .peers/llamacpp/bin/python (imports nothing from specpd). Left at
+Run by evals/peers.py with .peers/llamacpp/bin/python (imports nothing from specpd). Left at
 llama.cpp's defaults except what serving N requests at once needs (N slots of --ctx-per-slot tokens each)
 and the n-gram drafter's sizes where given.
 """

@@ -1,4 +1,4 @@
-"""What evals/bench_peers.py makes of its measurements: the per-cell summary over reps, the machine's CPU
+"""What evals/peers.py makes of its measurements: the per-cell summary over reps, the machine's CPU
 features, the printed table, the plot and the estimate of a run's wall time."""
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ def provenance(data: dict, path: str) -> dict:
 
 
 # scripts renamed when evals/ became a package (issue 65): old name -> module, for the commands files recorded
-RENAMED = {"acceptance": "spec_acceptance", "bench_attention": "kernels_attention", "bench_gemm": "kernels_gemm",
+RENAMED = {"acceptance": "spec_acceptance", "bench_peers": "peers", "bench_attention": "kernels_attention",
+           "bench_gemm": "kernels_gemm",
            "bench_gemm_kernel": "kernels_gemm_kernel", "bench_gemm_q": "kernels_gemm_q", "bench_gpu": "gpu",
            "bench_hf": "engine_hf", "bench_mtp_pd": "pd_mtp", "bench_offline": "engine_offline", "bench_pd": "pd",
            "bench_pd_interleaved": "pd_interleaved", "bench_pd_ttft": "pd_ttft", "bench_prefix": "prefix",
@@ -101,9 +102,9 @@ class Result:
 
 
 RESULTS = [
-    Result("peers.json", "bench_peers.py", "specpd beside vLLM's CPU build on the same box: plain, EAGLE-3 with "
+    Result("peers.json", "peers.py", "specpd beside vLLM's CPU build on the same box: plain, EAGLE-3 with "
            "the shipped head, n-gram; bf16 and fp32; chat and grounded rewrite; concurrency 1, 8, 32", peers),
-    Result("peers_spec.json", "bench_peers.py", "EAGLE-3 with the defaults against plain, through the server "
+    Result("peers_spec.json", "peers.py", "EAGLE-3 with the defaults against plain, through the server "
            "(issue 32's target)", peers_spec),
     Result("engine_hf.json", "engine_hf.py", "plain decoding against HF transformers' `generate`, one request at "
            "a time, same weights", hf_generate),

@@ -248,7 +248,7 @@ def offline(d: dict) -> str:
 
 
 def gpu(d: dict) -> str:
-    if "targets" in d:  # bench_gpu.py since CUDA graphs: issue 67's targets, each judged
+    if "targets" in d:  # gpu.py since CUDA graphs: issue 67's targets, each judged
         rows = [[name, t["target"], _f(t["measured"], 2) if isinstance(t["measured"], float) else t["measured"],
                  {True: "yes", False: "no", None: "not measured"}[t["met"]]] for name, t in d["targets"].items()]
         return _table(["target", "bound", "measured", "met"], rows)

@@ -123,7 +123,7 @@ class CostModel:
         # speculates adds outside its draft work and the depth-0 bookkeeping: the verify path (trees, verify,
         # commit) runs for the whole batch. It grows with the batch, not with the draft's rows: charged to the
         # draft's price (draft_scale), a large batch read its draft far above the table and still took rounds where
-        # one request speculated and the round cost more than a plain one (evals/bench_peers.py at its highest
+        # one request speculated and the round cost more than a plain one (evals/peers.py at its highest
         # concurrency, evals/results/peers.json)
         self.round_overhead = 0.0
         # measured / priced seconds that speculating adds to a round, over all the parts above (policy.py, 5b), per

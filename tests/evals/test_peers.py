@@ -1,12 +1,8 @@
-"""The pure parts of evals/bench_peers.py (no server): metrics parsing, τ, parity, summaries, the plan."""
+"""The pure parts of evals/peers.py (no server): metrics parsing, τ, parity, summaries, the plan."""
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "evals"))
-
-import peers  # noqa: E402
-import peers_report  # noqa: E402
+from evals import peers_report
+from evals import peers_servers as peers
 
 VLLM_METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -98,7 +94,7 @@ def test_pairs_compare_each_server_with_specpd_plain_rep_by_rep():
 
 def test_a_specpd_cells_tau_and_depth0_share_come_from_the_counters_around_it():
     import types
-    import peers_client
+    from evals import peers_client
     run = types.SimpleNamespace(spec=types.SimpleNamespace(engine="specpd"))
     rows = [{"spec_verify_count": 4, "spec_accept_length": 2.5}, {"spec_verify_count": 0}, {"error": "x"}]
     got = peers_client.tau_of(run, rows, (10.0, 5.0, 20, 8), (20.0, 9.0, 30, 14))
@@ -108,7 +104,7 @@ def test_a_specpd_cells_tau_and_depth0_share_come_from_the_counters_around_it():
 
 def test_paired_c1_runs_each_prompt_on_every_server_in_turn_the_order_rotated(monkeypatch):
     import types
-    import peers_client
+    from evals import peers_client
     calls = []
 
     def fake_cell(base, prompts, concurrency, max_tokens):
@@ -154,7 +150,7 @@ def test_c1_pairs_pool_every_reps_requests_prompt_by_prompt():
 
 
 def test_cells_take_more_requests_than_their_clients():
-    import bench_peers
+    from evals import peers as bench_peers
     args = argparse.Namespace(requests=None)
     assert bench_peers.requests_per_cell(args, 1) == bench_peers.C1_REQUESTS > 8
     assert bench_peers.requests_per_cell(args, 8) == 32 and bench_peers.requests_per_cell(args, 32) == 64

@@ -149,7 +149,7 @@ def spec_table(data: dict) -> str:
 def render(data: dict, command: str | None) -> str:
     """The README's Results block for one peers.json."""
     args = data.get("args") or {}
-    paired = "each cell run on every server back to back (`--paired`)" if args.get("paired") else \
+    paired = "each cell run on every server back to back (`python -m evals.peers --paired`)" if args.get("paired") else \
         "servers one at a time, in an order rotated rep by rep"
     reps = args.get("reps")
     reps = "one repetition" if reps == 1 else f"medians of {reps or '?'} repetitions (min–max)"

@@ -69,7 +69,8 @@ def paths(ws: list[torch.Tensor], m: int, dtype: torch.dtype, threads: int) -> d
     return out
 
 
-def timed(fns: dict, reps: int) -> dict:
+def interleaved_times(fns: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds of each call, every path once per repetition (after one warm-up call each)."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
@@ -78,7 +79,11 @@ def timed(fns: dict, reps: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: round(1000 * statistics.median(v), 2) for k, v in times.items()}
+    return times
+
+
+def timed(fns: dict, reps: int) -> dict:
+    return {k: round(1000 * statistics.median(v), 2) for k, v in interleaved_times(fns, reps).items()}
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -28,6 +27,7 @@ import torch
 
 from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
 from evals.engine_step import ReadProbe
+from evals.kernels_gemm import interleaved_times
 from specpd.kernels import cpu_gemm_bf16, cpu_gemm_f32
 from specpd.kernels import cpu_gemm_q as gq
 from specpd.machine import isa, usable_cores
@@ -129,14 +129,7 @@ def torch_int8(weight: torch.Tensor):
 def timed(fns: dict, reps: int) -> tuple[dict, dict]:
     """(median ms, fastest ms) of each path, the paths interleaved in every repetition (on a shared box the
     fastest is the run least disturbed by the neighbours)."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved_times(fns, reps)
     return ({k: round(1000 * statistics.median(v), 2) for k, v in times.items()},
             {k: round(1000 * min(v), 2) for k, v in times.items()})
 

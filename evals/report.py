@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from evals import report_readme
-from evals.report_tables import (acceptance, attention, bench_mtp_pd, gemm_kernel, gpu, hf_generate, offline, overlap,
-                                 pd, pd_load, pd_ttft, peers, peers_spec, prefix, profile_depth0, profile_spec_round,
-                                 profile_step, soak, spec_workloads, structured, tp, tp_matrix)
+from evals.report_tables import (acceptance, attention, bench_mtp_pd, engine_quant, gemm_kernel, gemm_q, gpu,
+                                 hf_generate, offline, overlap, pd, pd_load, pd_ttft, peers, peers_model_shape,
+                                 peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, soak,
+                                 spec_workloads, structured, tp, tp_matrix)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "evals", "results")
@@ -106,6 +107,12 @@ RESULTS = [
            "the shipped head, n-gram; bf16 and fp32; chat and grounded rewrite; concurrency 1, 8, 32", peers),
     Result("peers_spec.json", "peers.py", "EAGLE-3 with the defaults against plain, through the server "
            "(issue 32's target)", peers_spec),
+    Result("peers_llama-1b.json", "peers.py", "plain fp32 (and int8 / int4) at Llama-3.2-1B's shape (random weights) "
+           "beside vLLM's CPU build, and c1 TPOT over the read floor", peers_model_shape),
+    Result("engine_quant.json", "engine_quant.py", "resident memory per weight format; greedy agreement with the "
+           "dense fp32 engine", engine_quant),
+    Result("kernels_gemm_q.json", "kernels_gemm_q.py", "one forward's linears on the quantized kernel and the dense "
+           "paths, by rows (a verify row's cost)", gemm_q),
     Result("engine_hf.json", "engine_hf.py", "plain decoding against HF transformers' `generate`, one request at "
            "a time, same weights", hf_generate),
     Result("engine_step.json", "engine_step.py", "one decode / verify step against the floor (bytes a step "

@@ -270,3 +270,34 @@ def pd_load(d: dict) -> str:
                          "; ".join(e[:90] for e in c["errors"]) or "–"])
     return _table(["run", "code path", "requests", "busy loops", "failed", "wall s", "pages back on P and D",
                    "errors"], rows)
+
+
+def peers_model_shape(d: dict) -> str:
+    """peers at another model shape (--model-shape): the peers table, then c1 TPOT over the fp32 weights' read
+    floor measured beside it."""
+    floor = d.get("floor") or {}
+    rows = [[name, _f(ratio.get("chat/c1"))] for name, ratio in sorted(floor.get("c1_tpot_p50_over_floor", {}).items())]
+    note = (f"\n\nRead floor: {_f((d.get('weight_bytes_fp32') or 0) / 1e6, 0)} MB of fp32 weights at "
+            f"{_f(floor.get('read_gb_s_median'), 1)} GB/s{_spread(floor.get('read_gb_s_range'), 1)} = "
+            f"{_f(floor.get('floor_ms'), 1)} ms a token\n\n")
+    return peers(d) + note + _table(["server", "c1 TPOT p50 over the floor"], rows)
+
+
+def gemm_q(d: dict) -> str:
+    """kernels_gemm_q.json: ms per step's linears by rows, at the most threads timed."""
+    top = max(r["threads"] for r in d["results"])
+    results = [r for r in d["results"] if r["threads"] == top]
+    paths = list(results[0]["ms"])
+    return _table(["rows", *paths, "floor (gguf bytes)"],
+                  [[r["rows"], *(_f(r["ms"].get(p)) for p in paths),
+                    _f(r["floor_ms"].get("gguf (Q4_1 + Q8_0 head)"))] for r in results])
+
+
+def engine_quant(d: dict) -> str:
+    """engine_quant.json: resident memory per weight format, and agreement with the dense fp32 engine."""
+    mem = _table(["quantization", "dtype", "RSS after start MiB", "peak MiB"],
+                 [[m["quantization"], m["dtype"], m["rss_started_mib"], m["peak_mib"]] for m in d["memory"]])
+    agree = d["agreement"]["vs_reference"]
+    return mem + "\n\n" + _table(["against dense fp32", "common-prefix share", "first token agrees", "identical"],
+                                 [[k, _f(v["common_prefix_share"]), v["first_token_agrees"], v["identical_outputs"]]
+                                  for k, v in agree.items()])

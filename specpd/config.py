@@ -211,6 +211,7 @@ DRAFT_MODES = ("both", "decode-only")  # SpecConfig.draft_mode (PD serving)
 # speculation then trims each round per request. "hybrid" is the EAGLE family's default (the head's tree with
 # n-gram candidates merged); the head alone (--no-spec-ngram) takes its own shape; eagle, with no shipped head,
 # a chain of 4.
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
 DEFAULT_SHAPES = {"ngram": (6, 2, 12), "eagle": (4, 1, 5), "eagle3": (2, 4, 5), "mtp": (3, 4, 8),
                   "hybrid": (2, 4, 6), "replay": (4, 1, 5)}
 # n-gram drafting alone on a CPU without AMX (AVX512-BF16 / AVX2): there a b1 forward streams the weights while a
@@ -248,6 +249,10 @@ class SpecConfig:
     spec_ngram_min_match: int | None = None
     spec_ngram_max_match: int = 8
     spec_ngram_store_tokens: int = 65536
+    # the draft model's linears on CPU (specpd/model/quant.py, quantize_draft): "auto" quantizes them to int8
+    # (Q8_0 blocks) when the target runs quantized, "int8" always, "none" never. A draft's weights are read every
+    # draft forward, and only acceptance depends on their precision: the target's verify keeps output exact
+    spec_draft_quantization: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -315,6 +320,9 @@ class SpecConfig:
                              f"{self.ngram_min_match} and {self.spec_ngram_max_match}")
         if self.spec_ngram_store_tokens < 0:
             raise ValueError(f"spec_ngram_store_tokens must be >= 0, got {self.spec_ngram_store_tokens}")
+        if self.spec_draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"spec_draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.spec_draft_quantization!r}")
         return self
 
 

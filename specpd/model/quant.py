@@ -185,6 +185,24 @@ def quantize_model(model: nn.Module, method: str, row_scales=None) -> dict[str, 
     return counts
 
 
+@torch.no_grad()
+def quantize_draft(draft: nn.Module) -> dict[str, int]:
+    """A draft model's linears (its own head included; not the target's, which it may borrow) -> QuantLinear over
+    Q8_0 blocks, in place, where the kernel takes them (SpecConfig.spec_draft_quantization). Returns how many
+    weights each format took. A draft forward streams its weights like a target step, so int8 halves what a bf16
+    one reads; its precision moves only which tokens it proposes, never what the target's verify commits."""
+    counts: dict[str, int] = {}
+    for parent in list(draft.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            qb = quantize_dense(HEAD_FORMAT, child.weight)
+            _count(counts, qb)
+            if qb is not None and cpu_gemm_q.usable(qb.fmt, qb.in_features):
+                setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, child.bias))
+    return counts
+
+
 def _log_dense(method: str, counts: dict[str, int]) -> None:
     if counts.get("dense"):
         logger.info("quantization %s: %d of %d linears stay dense (no blocks the kernel takes)", method,

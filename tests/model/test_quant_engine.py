@@ -4,8 +4,9 @@
     wrong kernel falls far below (evals/engine_quant.py measures it on held-out prompts);
   - int4 on that GGUF serves the same blocks, so its output is gguf's token for token; int8 / int4 run an HF
     directory in fp32 and bf16 (qwen2: a q/k/v bias), their logits near the dense model's;
-  - speculation on the GGUF's blocks is lossless (greedy spec equals greedy plain): the shipped EAGLE-3 head and
-    n-gram drafting, verify rows through the same batch-invariant kernel;
+  - speculation on the GGUF's blocks is lossless (greedy spec equals greedy plain): the shipped EAGLE-3 head (its
+    linears in int8 blocks, as a quantized target's draft runs by default, and dense) and n-gram drafting, verify
+    rows through the same batch-invariant kernel;
   - /server_info's runtime reports the method and the formats; every page comes back."""
 import pytest
 import torch
@@ -88,11 +89,18 @@ def test_int4_on_the_gguf_serves_its_blocks(outputs):
     assert info["int4"]["weight_formats"] == {"Q4_1": 120, "Q8_0": 1}
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("eagle3", draft_model="default"), SpecConfig("ngram")],
-                         ids=["eagle3", "ngram"])
+@pytest.mark.parametrize("spec", [SpecConfig("eagle3", draft_model="default"),
+                                  SpecConfig("eagle3", draft_model="default", spec_draft_quantization="none"),
+                                  SpecConfig("ngram")], ids=["eagle3", "eagle3-dense-draft", "ngram"])
 def test_speculation_on_gguf_blocks_is_lossless(ckpt, prompts, outputs, spec):
+    """The draft's linears follow the target into int8 blocks (--spec-draft-quantization auto) or stay dense."""
     out, _ = outputs
     e = engine(ckpt, "gguf", spec=spec)
+    if spec.speculative_algorithm == "eagle3":
+        draft = e.spec_runner.proposer.model.draft
+        kinds = {type(m).__name__ for m in draft.modules()}
+        assert ("QuantLinear" in kinds) == (spec.spec_draft_quantization == "auto"), kinds
+        assert draft.cpu_stack is not None  # the C forward takes either
     got = [o.token_ids for o in e.generate(prompts[:6], SamplingParams(max_tokens=24, temperature=0.0,
                                                                          ignore_eos=True))]
     assert got == [t[:24] for t in out["gguf"][:6]]

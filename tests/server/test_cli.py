@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from specpd import machine
-from specpd.config import DEFAULT_SHAPES, NGRAM_SHAPE_ROWS_COST, CacheConfig, EngineConfig, SchedulerConfig
+from specpd.config import (DEFAULT_SHAPES, NGRAM_SHAPE_ROWS_COST, CacheConfig, EngineConfig, SchedulerConfig,
+                           SpecConfig)
 from specpd.server.cli import build_parser, config_from_args, ready_message
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,6 +71,19 @@ def test_an_eagle_family_head_merges_ngrams_by_default_and_no_spec_ngram_runs_it
     assert not spec().hybrid
     with pytest.raises(ValueError, match="spec_ngram merges"):
         spec("--speculative-algorithm", "ngram", "--spec-ngram")
+
+
+def test_draft_quantization_flag():
+    """--spec-draft-quantization: auto (the draft follows a quantized target into int8 blocks), int8, none."""
+    def spec(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).spec.validate()
+
+    assert spec().spec_draft_quantization == "auto"
+    assert spec("--spec-draft-quantization", "none").spec_draft_quantization == "none"
+    with pytest.raises(SystemExit):
+        spec("--spec-draft-quantization", "int4")
+    with pytest.raises(ValueError, match="spec_draft_quantization"):
+        SpecConfig("eagle3", draft_model="default", spec_draft_quantization="int4").validate()
 
 
 def test_ngram_defaults_follow_the_machine_and_flags_win():

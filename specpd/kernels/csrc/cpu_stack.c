@@ -100,9 +100,11 @@ int specpd_stack(int dt, int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t 
    all T): the rows that attend and go on (every row's K/V is written), as OutputRows does: their queries and
    positions gathered into qg / qpos, and the attention metadata (qo_indptr .. tree_indptr) is then theirs.
    w: fc (packed, NULL when the input is already a draft hidden), fc bias (fp32 or NULL), input_layernorm,
-   hidden_norm, qkv (packed), qkv bias, o (packed), post_attention_layernorm, gate_up (packed), down (packed). */
+   hidden_norm, qkv (packed), qkv bias, o (packed), post_attention_layernorm, gate_up (packed), down (packed);
+   fmts: the five linears' formats (fc, qkv, o, gate_up, down: ggml's type id, 0 for a dense weight), as the
+   target's stack takes them. */
 int specpd_eagle3(int dt, int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int64_t inter, float eps,
-                  int64_t norm_before_residual, const void* const* w, const void* feat, void* h, const void* embeds,
+                  int64_t norm_before_residual, const void* const* w, const int32_t* fmts, const void* feat, void* h, const void* embeds,
                   void* x, void* res, void* qkv, void* attn, void* tmp, void* gu, void* act, const int64_t* rows,
                   int64_t R, void* qg, int64_t* qpos, void* out,
                   const int64_t* pos, const int64_t* w_slot, const float* cos_t, const float* sin_t,
@@ -114,12 +116,12 @@ int specpd_eagle3(int dt, int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int
   if (nqkv != q_width + 2 * kv_width) return 3;
   if (dt != 0 && dt != 1) return 2;
   int rc = 0;
-  if (w[0]) rc |= gemm(dt, 0, feat, T, fc_in, w[0], w[1], H, h);
+  if (w[0]) rc |= gemm(dt, fmts[0], feat, T, fc_in, w[0], w[1], H, h);
   for (int64_t t = 0; t < T; t++) {  /* x = cat(input_layernorm(embeds), hidden_norm(h)) */
     rc |= specpd_rmsnorm(dt, CAT(embeds, t * H), 0, w[2], AT(x, t * 2 * H), 0, 1, H, eps);
     rc |= specpd_rmsnorm(dt, AT(h, t * H), 0, w[3], AT(x, t * 2 * H + H), 0, 1, H, eps);
   }
-  rc |= gemm(dt, 0, x, T, 2 * H, w[4], w[5], nqkv, qkv);
+  rc |= gemm(dt, fmts[1], x, T, 2 * H, w[4], w[5], nqkv, qkv);
   const void* q = qkv;
   const int64_t* q_pos = pos;
   int64_t q_stride = nqkv;
@@ -141,12 +143,12 @@ int specpd_eagle3(int dt, int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int
     const int64_t src = rows ? rows[r] : r;
     memcpy(AT(res, r * H), norm_before_residual ? AT(x, src * 2 * H + H) : AT(h, src * H), (size_t)(H * es));
   }
-  rc |= gemm(dt, 0, attn, R, q_width, w[6], 0, H, tmp);
+  rc |= gemm(dt, fmts[2], attn, R, q_width, w[6], 0, H, tmp);
   add_rows(dt, res, tmp, res, R * H);
   rc |= specpd_rmsnorm(dt, res, 0, w[7], tmp, 0, R, H, eps);
-  rc |= gemm(dt, 0, tmp, R, H, w[8], 0, 2 * inter, gu);
+  rc |= gemm(dt, fmts[3], tmp, R, H, w[8], 0, 2 * inter, gu);
   rc |= specpd_silu_mul(dt, gu, act, R, inter);
-  rc |= gemm(dt, 0, act, R, inter, w[9], 0, H, tmp);
+  rc |= gemm(dt, fmts[4], act, R, inter, w[9], 0, H, tmp);
   add_rows(dt, res, tmp, out, R * H);
   return rc;
 }

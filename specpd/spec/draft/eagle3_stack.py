@@ -33,7 +33,7 @@ def _fn():
         return None
     fn = load("cpu_stack.c").specpd_eagle3
     _f = ctypes.c_float
-    fn.argtypes = [ctypes.c_int, _I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
+    fn.argtypes = [ctypes.c_int, _I, _I, _I, _I, _I, _f, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P,
                    _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, _I, _f]
     fn.restype = ctypes.c_int
     return fn
@@ -44,22 +44,23 @@ class Eagle3Stack:
 
     def __init__(self, draft, fn):
         self.fn = fn
-        self.dtype = draft.fc.dtype  # every linear's (build checks)
         layer = draft.midlayer
+        self.dtype = layer.input_layernorm.weight.dtype  # the activations' (build checks every linear takes it)
         attn, mlp = layer.self_attn, layer.mlp
         self.hidden = draft.config.hidden_size
         self.fc_in = draft.fc.in_features
         self.nqkv, self.q_width, self.inter = attn.qkv_proj.out_features, attn.q_size, mlp.intermediate
         self.eps = layer.input_layernorm.eps
         self.norm_before_residual = int(layer.norm_before_residual)
-        self.max_rows = min(lin.few_rows for lin in _linears(draft))
-        fc_bias, qkv_bias = draft.fc.few_bias, attn.qkv_proj.few_bias
-        ptrs = [draft.fc.few_packed.data_ptr(), 0 if fc_bias is None else fc_bias.data_ptr(),
+        self.max_rows = min(getattr(lin, "few_rows", cpu_stack.ANY_WIDTH) for lin in _linears(draft))
+        (fc, fc_bias, f_fc), (qkv, qkv_bias, f_qkv), (o, _, f_o), (gu, _, f_gu), (down, _, f_down) = \
+            map(cpu_stack._packed, _linears(draft))
+        ptrs = [fc.data_ptr(), 0 if fc_bias is None else fc_bias.data_ptr(),
                 layer.input_layernorm.weight.data_ptr(), layer.hidden_norm.weight.data_ptr(),
-                attn.qkv_proj.few_packed.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
-                attn.o_proj.few_packed.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                mlp.gate_up_proj.few_packed.data_ptr(), mlp.down_proj.few_packed.data_ptr()]
+                qkv.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
+                o.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), gu.data_ptr(), down.data_ptr()]
         self.weights = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self.formats = (ctypes.c_int32 * 5)(f_fc, f_qkv, f_o, f_gu, f_down)  # ggml's type id, 0: dense
         self.weights_no_fc = (ctypes.c_void_p * len(ptrs))(0, 0, *ptrs[2:])
 
     @classmethod
@@ -69,7 +70,7 @@ class Eagle3Stack:
         layer = getattr(draft, "midlayer", None)
         if fn is None or layer is None:
             return None
-        dtype = getattr(draft.fc, "dtype", None)  # a PackedLinear's weight dtype
+        dtype = layer.input_layernorm.weight.dtype
         if not all(cpu_stack._kernel_linear(m, dtype) for m in _linears(draft)):
             return None
         attn, mlp = layer.self_attn, layer.mlp
@@ -109,7 +110,7 @@ class Eagle3Stack:
         attn, out = new(r, self.q_width), new(r, width)
         rc = self.fn(DTYPE_CODES[self.dtype], t, width, self.fc_in, self.nqkv, self.inter, self.eps,
                      self.norm_before_residual,
-                     self.weights if fused else self.weights_no_fc, hidden.data_ptr() if fused else None,
+                     self.weights if fused else self.weights_no_fc, self.formats, hidden.data_ptr() if fused else None,
                      h.data_ptr(), embeds.data_ptr(), x.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
                      tmp.data_ptr(), gu.data_ptr(), act.data_ptr(), None if index is None else index.data_ptr(), r,
                      None if qg is None else qg.data_ptr(), None if qpos is None else qpos.data_ptr(),

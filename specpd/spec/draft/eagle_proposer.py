@@ -30,15 +30,17 @@ from specpd.kv.pool import KVPool
 from specpd.model.cuda_graphs import GraphSettings
 from specpd.model.llama import OutputRows
 from specpd.model.moe_lm import make_backend, make_kv_like
+from specpd.model.quant import quantize_draft
 from specpd.spec.tree import DraftTree, TreeBuilder, draft_logp, root_only
 
 
 class EagleProposer(Proposer):
     def __init__(self, draft: DraftModel, target_pool: KVPool, attention_backend: str,
                  num_steps: int, topk: int, num_draft_tokens: int, pool: KVPool | None = None,
-                 graphs: GraphSettings | None = None):
+                 graphs: GraphSettings | None = None, quantize: bool = False):
         """`pool`: the draft's layers inside the target's pages (KVPool.layers_of); None: a parallel pool.
-        `graphs`: the engine's CUDA graph settings (None: every forward eager)."""
+        `graphs`: the engine's CUDA graph settings (None: every forward eager). `quantize`: the draft's linears
+        in int8 blocks on CPU (SpecConfig.spec_draft_quantization)."""
         super().__init__(num_steps, topk, num_draft_tokens)
         self.draft = draft
         cfg = draft.config
@@ -46,6 +48,8 @@ class EagleProposer(Proposer):
         self.pool = pool or make_kv_like(cfg, target_pool)
         self.backend = make_backend(attention_backend, self.pool, cfg)  # MLA drafts: the latent backend
         if self.device.type == "cpu":
+            if quantize:
+                quantize_draft(draft)
             pack_linears(draft)  # serving only: prepacked for oneDNN, as the target's (no autograd after this)
             draft.cpu_stack = Eagle3Stack.build(draft)  # EAGLE-3's forward in one C call where it applies
             weights_on_huge_pages(draft)

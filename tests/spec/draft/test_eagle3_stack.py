@@ -2,7 +2,9 @@
 output rows and every K/V byte of the draft's layer, on ragged batches over scattered pages across page
 boundaries — the fused target features (fc) and draft hiddens, the last rows only (OutputRows), tree masks — and
 in an engine: the same tokens, logprobs and verify outcomes. bf16 on a CPU with AVX512-BF16, fp32 on one with
-AVX-512."""
+AVX-512; the draft's linears dense and in int8 blocks (--spec-draft-quantization)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,8 +28,9 @@ def checkpoint():
     return load_checkpoint("default")
 
 
-def _engine(checkpoint, dtype):
-    return LLMEngine(EngineConfig(model="default", dtype=dtype, spec=SPEC,
+def _engine(checkpoint, dtype, draft_quantization="none"):
+    spec = dataclasses.replace(SPEC, spec_draft_quantization=draft_quantization)
+    return LLMEngine(EngineConfig(model="default", dtype=dtype, spec=spec,
                                   cache=CacheConfig(page_size=16, num_pages=NUM_PAGES)), checkpoint=checkpoint)
 
 
@@ -54,10 +57,13 @@ def _both(proposer, *args, **kw):
     return got, want, got_kv, pool.buffer.clone()
 
 
+@pytest.mark.parametrize("draft_quantization", ["none", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint, dtype):
-    engine = _engine(checkpoint, dtype)
+def test_draft_stack_equals_python_path_on_ragged_scattered_pages(checkpoint, dtype, draft_quantization):
+    engine = _engine(checkpoint, dtype, draft_quantization)
     proposer = engine.spec_runner.proposer.model
+    quantized = {type(m).__name__ for m in proposer.draft.modules()} & {"QuantLinear"}
+    assert bool(quantized) == (draft_quantization == "int8")
     width = proposer.draft.config.hidden_size
     fused = proposer.draft.fc.in_features
     gen = torch.Generator().manual_seed(0)

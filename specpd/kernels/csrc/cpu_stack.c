@@ -104,9 +104,9 @@ int specpd_stack(int dt, int64_t T, int64_t H, int64_t L, int64_t nqkv, int64_t 
    fmts: the five linears' formats (fc, qkv, o, gate_up, down: ggml's type id, 0 for a dense weight), as the
    target's stack takes them. */
 int specpd_eagle3(int dt, int64_t T, int64_t H, int64_t fc_in, int64_t nqkv, int64_t inter, float eps,
-                  int64_t norm_before_residual, const void* const* w, const int32_t* fmts, const void* feat, void* h, const void* embeds,
-                  void* x, void* res, void* qkv, void* attn, void* tmp, void* gu, void* act, const int64_t* rows,
-                  int64_t R, void* qg, int64_t* qpos, void* out,
+                  int64_t norm_before_residual, const void* const* w, const int32_t* fmts, const void* feat, void* h,
+                  const void* embeds, void* x, void* res, void* qkv, void* attn, void* tmp, void* gu, void* act,
+                  const int64_t* rows, int64_t R, void* qg, int64_t* qpos, void* out,
                   const int64_t* pos, const int64_t* w_slot, const float* cos_t, const float* sin_t,
                   void* pool, int64_t page_stride, int64_t kv_half, int64_t pos_stride, int64_t head_stride,
                   int64_t ps, const int32_t* qo_indptr, const int32_t* kv_lens, const int32_t* page_table,

@@ -22,7 +22,7 @@ from typing import Callable
 from evals import report_readme
 from evals.report_tables import (acceptance, attention, bench_mtp_pd, engine_quant, gemm_kernel, gemm_q, gpu,
                                  hf_generate, offline, overlap, pd, pd_load, pd_ttft, peers, peers_model_shape,
-                                 peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, soak,
+                                 peers_spec, prefix, profile_depth0, profile_spec_round, profile_step, q_rows, soak,
                                  spec_workloads, structured, tp, tp_matrix)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +113,8 @@ RESULTS = [
            "dense fp32 engine", engine_quant),
     Result("kernels_gemm_q.json", "kernels_gemm_q.py", "one forward's linears on the quantized kernel and the dense "
            "paths, by rows (a verify row's cost)", gemm_q),
+    Result("kernels_q_rows.json", "kernels_q_rows.py", "a verify row's cost on the quantized kernel against the "
+           "int8 dot-product peak measured beside it", q_rows),
     Result("engine_hf.json", "engine_hf.py", "plain decoding against HF transformers' `generate`, one request at "
            "a time, same weights", hf_generate),
     Result("engine_step.json", "engine_step.py", "one decode / verify step against the floor (bytes a step "

@@ -301,3 +301,14 @@ def engine_quant(d: dict) -> str:
     return mem + "\n\n" + _table(["against dense fp32", "common-prefix share", "first token agrees", "identical"],
                                  [[k, _f(v["common_prefix_share"]), v["first_token_agrees"], v["identical_outputs"]]
                                   for k, v in agree.items()])
+
+
+def q_rows(d: dict) -> str:
+    """kernels_q_rows.json: one forward's linears by rows on the quantized kernel, and a row's cost against the
+    VNNI floor."""
+    rows = [[m, _f(r["ms"]) + _spread(r["ms_range"]), _f(r["over_1_row"])] for m, r in d["rows"].items()]
+    head = (f"Marginal row {_f(d['marginal_ms_per_row'], 3)} ms; VNNI floor {_f(d.get('floor_ms_per_row'), 3)} ms "
+            f"(the model's {d['weights']} weights / 64 multiply-adds a vpdpbusd / "
+            f"{_f((d.get('vpdpbusd_per_s') or 0) / 1e9)} G vpdpbusd/s measured); marginal over floor "
+            f"{_f(d.get('marginal_over_floor'))}\n\n")
+    return head + _table(["rows", "ms (min–max)", "over 1 row"], rows)

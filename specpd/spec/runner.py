@@ -44,6 +44,9 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
         # an n-gram drafter's shadow probes: each probing request's depth-1 guesses, looked up before the round
         # commits its token (a draft model's are its caught-up draft state's top-k)
         self._guesses: dict[str, list[int]] = {}
+        # a hybrid's free probes: requests at depth 0 whose n-gram half has a guess, probed on it alone (their
+        # draft not caught up) in a round the policy did not shadow-probe them in (`_free_guesses`)
+        self._free: set[str] = set()
 
     @property
     def decode_width(self) -> int:
@@ -77,6 +80,8 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
             if shadow and isinstance(self.proposer, NgramProposer):
                 self._guesses = {r.request_id: self.proposer.first_guesses(r, policy.rows(1) - 1)
                                  for r in requests if r.request_id in shadow}
+            elif isinstance(self.proposer, HybridProposer):
+                self._free_guesses(requests, plans, shadow)
             catching = [r for r, (steps, _) in zip(requests, plans) if steps > 0 or r.request_id in shadow]
             # a prompt's deferred extend (unpriced) in the catch-up: work the eager extend did at prefill, not what
             # this round's speculation costs, so the round is not read (observe_round, observe_round_time)
@@ -144,8 +149,8 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
                 tree = trees[id(it)]
                 res, ext, path = self._commit(it, tree, *next(verdicts), features[rows], suppress)
                 if policy is not None:
-                    if it.request.request_id in shadow:
-                        self._observe_shadow(it.request, res.token_ids)
+                    if it.request.request_id in shadow or it.request.request_id in self._free:
+                        self._observe_shadow(it.request, res.token_ids, caught_up=it.request.request_id in shadow)
                     else:  # what the top path kept: only a policy that offers narrow rounds reads it
                         top_path = top_path_length(tree, path) if policy.narrow_ok else None
                         policy.observe(it.request.request_id, tree.max_depth, res.num_accepted or 0, top_path)
@@ -191,7 +196,22 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
         if now - start <= 2 * execute_s:
             self.policy.observe_round_time(requests, now - start, speculated)
 
-    def _observe_shadow(self, request, committed: list[int]) -> None:
+    def _free_guesses(self, requests, plans, shadow: set) -> None:
+        """A hybrid's n-gram guesses for its requests at depth 0 (a lookup: free). Each one with a guess probes on
+        it this round, its draft not caught up (`_free`); one the policy shadow-probes offers them beside its
+        draft's top-k. Probed through its draft alone, a hybrid server whose head guesses poorly sat at depth 0
+        on grounded text its n-gram half would nearly always have drafted (evals/results/peers_spec.json)."""
+        width = self.policy.rows(1) - 1
+        self._guesses, self._free = {}, set()
+        for r, (steps, _) in zip(requests, plans):
+            if steps == 0:
+                guesses = self.proposer.ngram.first_guesses(r, width)
+                if guesses:
+                    self._guesses[r.request_id] = guesses
+                    if r.request_id not in shadow:
+                        self._free.add(r.request_id)
+
+    def _observe_shadow(self, request, committed: list[int], caught_up: bool = True) -> None:
         """A shadow probe's outcome (AdaptivePolicy.shadow): the draft, caught up before this round, proposed
         its top-k for the token the round committed. A full-width round's tree keeps any of its first level
         (up to min(K, T - 1) of the top-k), a narrow round its top-1: a greedy verify accepts depth 1 iff the
@@ -200,13 +220,16 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
         again: its probes were its only evidence (issue 32). An n-gram drafter's guesses are its lookup's,
         made before the round (`first_guesses`): free, so a model-free request at depth 0 probes every round,
         where a verify-row probe waited for the probe budget and a grounded n-gram server whose first requests
-        found no matches never speculated again (issue 32)."""
+        found no matches never speculated again (issue 32). A hybrid's: its draft's top-k where `caught_up`, then
+        its n-gram half's guesses; not caught up, the n-gram's alone (`_free_guesses`)."""
         first_level = self.policy.rows(1) - 1  # a full-width depth-1 round's nodes past the root
         guesses = self._guesses.pop(request.request_id, None)
-        if guesses is None:
-            state = request.spec_state
-            guesses = None if state is None else state.topk_ids
-        elif not guesses:  # an n-gram without a match had nothing to offer: no outcome (it probes again next round)
+        state = request.spec_state if caught_up else None
+        if state is not None:  # a draft model's top-k first (a hybrid's n-gram guesses after it)
+            guesses = list(state.topk_ids) + [t for t in guesses or () if t not in state.topk_ids]
+        elif guesses is not None and not guesses:  # an n-gram without a match had nothing to offer: no outcome
+            return  # (it probes again next round)
+        elif guesses is None and not caught_up:
             return
         if guesses is None or not committed:
             hit = top = False
@@ -249,8 +272,8 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
             offset += q
             if it.spec_decode:
                 res.num_accepted = None  # a plain decode step, not a verify: tau counts verifies only
-                if rid in shadow:
-                    self._observe_shadow(it.request, res.token_ids)
+                if rid in shadow or rid in self._free:
+                    self._observe_shadow(it.request, res.token_ids, caught_up=rid in shadow)
                 else:
                     policy.observe(rid, 0, 0)
                 policy.stats.record(0, off=True)

@@ -51,7 +51,8 @@ def test_replay_full_acceptance_goes_deep_and_is_lossless(tiny):
 def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_path):
     path, expected = tiny
     random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
-    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True))
+    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True,
+                                  spec_ngram=False))  # the head alone (the hybrid's n-gram half: below)
     eng.spec_runner.policy.frozen = False  # learn engine-wide that the head is useless
     extend_rows = []
     real_extend = eng.spec_runner.proposer.extend
@@ -61,9 +62,13 @@ def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_p
     real_plain = eng.spec_runner._plain_round
     eng.spec_runner._plain_round = lambda *a: (plain.append(1), real_plain(*a))[1]
     shadow = []  # probes in the shadow: the draft caught up, its top-1 against the committed token, no verify row
-    real_shadow = eng.spec_runner._observe_shadow
-    eng.spec_runner._observe_shadow = lambda req, toks: (shadow.append(req.spec_state.topk_ids[0] == toks[0]),
-                                                         real_shadow(req, toks))[1]
+    real_shadow = eng.spec_runner._observe_shadow  # (a hybrid's free n-gram probes, its draft not caught up, aside)
+
+    def observe_shadow(req, toks, caught_up=True):
+        if caught_up:
+            shadow.append(req.spec_state.topk_ids[0] == toks[0])
+        real_shadow(req, toks, caught_up=caught_up)
+    eng.spec_runner._observe_shadow = observe_shadow
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert eng.free_pages == NUM_PAGES
@@ -74,6 +79,26 @@ def test_useless_draft_stops_speculating_and_stops_paying_the_extend(tiny, tmp_p
     # the extend runs for prefill chunks and for probes (catching up), not every round
     assert len(extend_rows) < 0.5 * stats.rounds, (len(extend_rows), stats)
     assert not eng.spec_runner._deferred  # finished requests leave nothing behind
+
+
+def test_hybrid_with_a_useless_head_speculates_on_its_ngram_half(tiny, tmp_path):
+    """The hybrid (EAGLE-3 + n-grams, the default) with a random head: at depth 0 its n-gram half's guesses probe
+    every round for free (SpecRunner._free_guesses), so on text that repeats itself (this tiny model's greedy
+    output) it speculates, where probed through its head alone it sat at depth 0; output exact, pages back."""
+    path, expected = tiny
+    random_draft_checkpoint(str(tmp_path), "eagle3", ModelConfig.from_hf(load_checkpoint(path).hf_config), seed=3)
+    eng = engine(path, SpecConfig("eagle3", draft_model=str(tmp_path), spec_num_steps=3, spec_adaptive_pinned=True))
+    eng.spec_runner.policy.frozen = False
+    free = []
+    real_free = eng.spec_runner._free_guesses
+    eng.spec_runner._free_guesses = lambda *a: (real_free(*a), free.append(len(eng.spec_runner._free)))[0]
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert eng.free_pages == NUM_PAGES
+    stats = eng.spec_runner.policy.stats
+    assert sum(free) > 0, free  # requests at depth 0 probed on their n-gram guesses
+    assert stats.rounds_off < 0.5 * stats.rounds, stats
+    assert not eng.spec_runner._deferred
 
 
 def test_adaptive_eagle_tree_is_lossless(tiny, tmp_path):

@@ -22,6 +22,8 @@ request), with a ~300-token context per request on scattered pages:
   - the peer's TPOT at concurrency 1 from evals/results/peers.json when that file exists.
 
     .venv/bin/python -m evals.engine_step [--server]      → evals/results/engine_step.json
+    .venv/bin/python -m evals.engine_step --model-shape llama-1b --batches 1 --dtype float32
+                                                          → evals/results/engine_step_llama-1b.json
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import torch
 
 from evals.harness.results import REPO_ROOT, log, machine_info, versions, write_json
+from evals.peers_servers import SHAPES, random_hf_dir
 from specpd.attention.metadata import AttentionMetadata
 from specpd.config import CacheConfig, EngineConfig
 from specpd.core import SamplingParams
@@ -153,10 +156,10 @@ def instrument(engine: LLMEngine) -> Timers:
     return t
 
 
-def make_engine(batch: int, dtype: str | None = None) -> LLMEngine:
+def make_engine(batch: int, dtype: str | None = None, model: str = "default") -> LLMEngine:
     pages = batch * (-(-(CTX + 200) // 16)) + 8
     extra = {"dtype": dtype} if dtype else {}
-    return LLMEngine(EngineConfig(model="default", cache=CacheConfig(num_pages=pages),
+    return LLMEngine(EngineConfig(model=model, cache=CacheConfig(num_pages=pages),
                                   scheduler=EngineConfig().scheduler, **extra))
 
 
@@ -287,14 +290,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--server", action="store_true", help="also time a real server's TPOT (HTTP and streaming)")
     ap.add_argument("--dtype", default=None, help="the engine's dtype (default: what `specpd serve` picks here)")
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--model-shape", default="default", choices=("default", *SHAPES),
+                    help="another model's shape with random weights on SmolLM2's tokenizer (evals/peers_servers.py: "
+                         "speed does not depend on the values), as evals/peers.py runs it")
+    ap.add_argument("--out", default=None, help="default: evals/results/engine_step.json (engine_step_<shape>.json)")
     args = ap.parse_args()
+    shape = args.model_shape
+    model = "default" if shape == "default" else random_hf_dir(shape)
+    out = args.out or (OUT if shape == "default" else OUT.replace(".json", f"_{shape}.json"))
     result = {"meta": {"machine": machine_info(), "isa": isa(), "versions": versions(), "context_tokens": CTX,
+                       "model_shape": shape,
                        "command": "python -m evals.engine_step" + (" --server" if args.server else "")
-                       + (f" --dtype {args.dtype}" if args.dtype else "")},
+                       + (f" --dtype {args.dtype}" if args.dtype else "")
+                       + (f" --model-shape {shape} --batches {' '.join(map(str, args.batches))}"
+                          if shape != "default" else "") + (f" --steps {args.steps}" if args.steps != 20 else "")},
               "cases": {}}
     for batch in args.batches:
-        engine = make_engine(batch, args.dtype)
+        engine = make_engine(batch, args.dtype, model)
         wait_for_collapse()
         runtime = engine.runner.runtime_info()
         result["meta"]["runtime"] = runtime
@@ -328,13 +340,14 @@ def main() -> None:
     if args.server:
         result["server"] = server_tpot()
         log("server", result["server"])
-    peers = os.path.join(REPO_ROOT, "evals", "results", "peers.json")
+    name = "peers.json" if shape == "default" else f"peers_{shape}.json"
+    peers = os.path.join(REPO_ROOT, "evals", "results", name)
     if os.path.exists(peers):
         with open(peers, encoding="utf-8") as f:
-            result["peers_file"] = "evals/results/peers.json"
+            result["peers_file"] = f"evals/results/{name}"
             result["peers_summary"] = json.load(f).get("summary")
-    write_json(args.out, result)
-    log("wrote", args.out)
+    write_json(out, result)
+    log("wrote", out)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,8 @@ RESULTS = [
            "a time, same weights", hf_generate),
     Result("engine_step.json", "engine_step.py", "one decode / verify step against the floor (bytes a step "
            "must read over the measured bandwidth)", profile_step),
+    Result("engine_step_llama-1b.json", "engine_step.py", "the same at Llama-3.2-1B's shape (random weights), fp32, "
+           "batch 1", profile_step),
     Result("spec_workloads.json", "spec.py", "speculation over plain in the engine, engines in lockstep "
            "(`python -m evals.spec --workloads --lockstep`)", spec_workloads),
     Result("spec.json", "spec.py", "the verify path's ceiling: replayed drafts with known acceptance"),

@@ -26,7 +26,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from evals.harness.servers import ServerStartError, free_port, start_group, stop_group, wait_healthy
+from evals.harness.servers import (ServerStartError, free_port, group_stats, start_group, stop_group,
+                                   wait_healthy)
 
 EVALS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(EVALS_DIR)
@@ -250,17 +251,7 @@ def log_tail(path: str, n: int = 3000) -> str:
 
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) of every live process in process group `pgid`, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ... utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
+    return sum(int(f[11]) + int(f[12]) for f in group_stats(pgid)) / os.sysconf("SC_CLK_TCK")
 
 
 def idle_cpu_share(run: Running, seconds: float = 5.0) -> float:

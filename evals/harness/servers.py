@@ -128,3 +128,18 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace_s: flo
         pass
     proc.wait()
     return how
+
+
+def group_stats(pgid: int) -> list[list[str]]:
+    """/proc/PID/stat of every live process in process group `pgid`, the fields after the command name: state (0),
+    ppid (1), pgrp (2), ... utime (11), stime (12)."""
+    stats = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            stats.append(fields)
+    return stats

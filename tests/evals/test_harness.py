@@ -10,7 +10,8 @@ import time
 import pytest
 
 from evals.harness.results import write_json
-from evals.harness.servers import ServerStartError, free_port, start_group, stop_group, wait_healthy
+from evals.harness.servers import (ServerStartError, free_port, group_stats, start_group, stop_group,
+                                   wait_healthy)
 from specpd.machine import isa
 
 
@@ -31,15 +32,7 @@ def _alive(pgid: int, settle_s: float = 5.0) -> bool:
     """Whether a process of group `pgid` is still running (zombies, reaped by init in their own time, are not)."""
     deadline = time.monotonic() + settle_s
     while True:
-        states = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                states.append(fields[0])
+        states = [fields[0] for fields in group_stats(pgid)]
         if any(s != "Z" for s in states) and time.monotonic() < deadline:
             time.sleep(0.05)
             continue

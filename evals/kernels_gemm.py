@@ -69,8 +69,9 @@ def paths(ws: list[torch.Tensor], m: int, dtype: torch.dtype, threads: int) -> d
     return out
 
 
-def interleaved_times(fns: dict, reps: int) -> dict[str, list[float]]:
-    """Seconds of each call, every path once per repetition (after one warm-up call each)."""
+def interleaved_times(fns: dict, reps: int, between=None) -> dict[str, list[float]]:
+    """Seconds of each call, every path once per repetition (after one warm-up call each); `between`, when given,
+    is called after each repetition (a probe read beside the timings)."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
@@ -79,6 +80,8 @@ def interleaved_times(fns: dict, reps: int) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+        if between is not None:
+            between()
     return times
 
 

@@ -104,14 +104,12 @@ def main() -> None:
     xs = {(m, k): torch.randn(m, k, generator=gen).bfloat16() for m in ROWS for k in {w.shape[1] for w in ws}}
     fns = {m: (lambda m=m: [gq.gemm(xs[(m, k)], f, p, None, n) for f, p, n, k in layers]) for m in ROWS}
     log(f"{threads} threads, rows {ROWS}, {args.reps} interleaved reps, the probe run in each")
-    times, rates = {m: [] for m in ROWS}, []
+    rates = []
     with tempfile.TemporaryDirectory() as tmp:
         exe = build_probe(tmp)
-        for _ in range(args.reps):  # the box drifts: every repetition times each row count and the probe
-            for m, v in interleaved_times(fns, 1).items():
-                times[m] += v
-            if exe:
-                rates.append(vnni_rate(exe, threads))
+        # the box drifts: every repetition times each row count and then the probe
+        probe = (lambda: rates.append(vnni_rate(exe, threads))) if exe else None
+        times = interleaved_times(fns, args.reps, between=probe)
     ms = {m: 1000 * statistics.median(v) for m, v in times.items()}
     slope = marginal_ms(ms)
     result = {"rows": {str(m): {"ms": round(ms[m], 3), "ms_range": [round(1000 * min(v), 3), round(1000 * max(v), 3)],

@@ -196,10 +196,12 @@ def quantize_draft(draft: nn.Module) -> dict[str, int]:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            qb = quantize_dense(HEAD_FORMAT, child.weight)
+            usable = cpu_gemm_q.usable(HEAD_FORMAT, child.in_features)
+            qb = quantize_dense(HEAD_FORMAT, child.weight) if usable else None
             _count(counts, qb)
-            if qb is not None and cpu_gemm_q.usable(qb.fmt, qb.in_features):
+            if qb is not None:
                 setattr(parent, name, QuantLinear(qb.fmt, qb.blocks, qb.in_features, child.bias))
+    _log_dense("draft int8", counts)
     return counts
 
 

@@ -227,9 +227,7 @@ class SpecRunner(TreeVerifier, DeferredExtends, StepRunner):
         state = request.spec_state if caught_up else None
         if state is not None:  # a draft model's top-k first (a hybrid's n-gram guesses after it)
             guesses = list(state.topk_ids) + [t for t in guesses or () if t not in state.topk_ids]
-        elif guesses is not None and not guesses:  # an n-gram without a match had nothing to offer: no outcome
-            return  # (it probes again next round)
-        elif guesses is None and not caught_up:
+        elif guesses == []:  # an n-gram without a match had nothing to offer: no outcome (it probes again next round)
             return
         if guesses is None or not committed:
             hit = top = False

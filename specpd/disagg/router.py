@@ -51,6 +51,8 @@ _PASSED_HEADERS = ("retry-after",)  # a backend's refusal reaches the client wit
 # `specpd serve --disagg` to restart a dead child on a small box (its backoff, then its load); then 503 + Retry-After
 RESTART_WAIT_S = 15.0
 RETRY_AFTER_S = 5
+# D answered an error: how long to wait for P's side of the exchange to say P went down (then it is a retry)
+P_FAILURE_GRACE_S = 1.0
 MAX_ATTEMPTS = 4  # sends of one request: a server that goes down under it again and again is not waited on forever
 
 
@@ -274,6 +276,11 @@ def create_router_app(prefill_url: str | list[str], decode_url: str | list[str],
                     raise _Retry(prefill_url, f"the decode server could not reach it: {content[:200]!r}")
                 if (why := _went_down(decode_url, decode_resp)) is not None:
                     raise _Retry(decode_url, why)
+                # D failed the room because P went down under it (D's control connection saw it first): P's own
+                # cut connection says so within moments, and the request is sent again rather than failed
+                await asyncio.wait({watcher}, timeout=P_FAILURE_GRACE_S)
+                if watcher.done() and isinstance(watcher.result(), _Retry):
+                    raise watcher.result()
                 return _relayed(decode_resp, content)
             stages.observe({"router_decode_headers": time.monotonic() - received})
             if not body.get("stream"):
